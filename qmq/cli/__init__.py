@@ -1,0 +1,20 @@
+"""The `qmq` command. Each command group lives in its own module; this one only assembles them.
+
+Settings come from flags, then `QMQ_*` environment variables, then defaults.
+"""
+
+from __future__ import annotations
+
+import click
+
+from qmq import __version__
+from qmq.cli.log import log
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "QMQ"})
+@click.version_option(__version__, prog_name="qmq")
+def main() -> None:
+    """qmq: reliable, database-backed messaging."""
+
+
+main.add_command(log)

@@ -1,0 +1,81 @@
+"""Named limits shared by the wire protocol and the store, with their defaults.
+
+A subject is what producers send to and consumers subscribe to. System subjects made by qmq itself
+(`%RETRY%subject%group`, `%DEAD%subject%group`) contain `%`, which users may not use.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from qmq.protocol.errors import ErrorCode, ProtocolError
+
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # a whole frame, header included
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one message body (RocketMQ's default)
+MAX_SUBJECT_LEN = 200  # characters
+MAX_TAG_LEN = 64
+MAX_TAGS = 16
+MAX_KEY_LEN = 256
+MAX_MESSAGE_ID_LEN = 64
+
+SUBJECT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
+SYSTEM_SUBJECT_RE = re.compile(r"%(RETRY|DEAD)%[A-Za-z0-9._\-]+%[A-Za-z0-9._\-]+")
+TAG_RE = re.compile(r"[A-Za-z0-9._\-:]+")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-server limits; tests and operators may lower or raise them."""
+
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_subject_len: int = MAX_SUBJECT_LEN
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def validate_subject(subject: object, *, allow_system: bool = False, limits: Limits = DEFAULT_LIMITS) -> str:
+    """Return `subject` if it is a valid subject name, else raise a non-fatal `ProtocolError`."""
+    if not isinstance(subject, str) or not subject:
+        raise ProtocolError(ErrorCode.BAD_SUBJECT, "subject must be a non-empty string", fatal=False)
+    if len(subject) > limits.max_subject_len:
+        raise ProtocolError(
+            ErrorCode.BAD_SUBJECT,
+            f"subject is {len(subject)} characters, the limit is {limits.max_subject_len}",
+            fatal=False,
+        )
+    if SUBJECT_RE.fullmatch(subject) or (allow_system and SYSTEM_SUBJECT_RE.fullmatch(subject)):
+        return subject
+    raise ProtocolError(
+        ErrorCode.BAD_SUBJECT,
+        f"subject {subject!r} may only contain letters, digits, '.', '_' and '-', "
+        "starting with a letter or digit",
+        fatal=False,
+    )
+
+
+def validate_tags(tags: object) -> tuple[str, ...]:
+    """Return the tags as a tuple if every one is valid, else raise a non-fatal `ProtocolError`."""
+    if not isinstance(tags, (list, tuple)):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "tags must be a list of strings", fatal=False)
+    if len(tags) > MAX_TAGS:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(tags)} tags, the limit is {MAX_TAGS}", fatal=False)
+    for tag in tags:
+        if not isinstance(tag, str) or len(tag) > MAX_TAG_LEN or not TAG_RE.fullmatch(tag):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"tag {tag!r} must be 1-{MAX_TAG_LEN} of letters, digits, '.', '_', '-', ':'",
+                fatal=False,
+            )
+    return tuple(tags)
+
+
+def validate_message_size(size: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    if size > limits.max_message_bytes:
+        raise ProtocolError(
+            ErrorCode.MESSAGE_TOO_LARGE,
+            f"message body is {size} bytes, the limit is {limits.max_message_bytes}",
+            fatal=False,
+        )

@@ -1,0 +1,160 @@
+"""The key index: finds records by message id or by (subject, key) in a bounded number of reads.
+
+An index file is a hash table on disk in the manner of RocketMQ's IndexFile: a fixed array of slots,
+each holding the newest entry of its bucket, and entries chained to the previous one in the bucket.
+A look-up reads one slot and walks one chain per index file; the caller confirms each candidate
+against the record itself, so hash collisions cost a read, never a wrong answer. Files roll when full
+and are named by the first message-log offset they index. Derived from the message log.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+from qmq.store.segment import fsync_dir, list_segments, segment_name
+
+FILE_MAGIC = 0x514D4958  # "QMIX"
+HEADER = struct.Struct(">IIIIQ")  # magic, slot_count, capacity, count, last_offset
+HEADER_SIZE = 64
+SLOT = struct.Struct(">I")  # entry number + 1; 0 = empty
+ENTRY = struct.Struct(">QQI")  # hash, message-log offset, previous entry number + 1
+DEFAULT_SLOTS = 1 << 22  # 16 MiB of slots
+DEFAULT_CAPACITY = 1 << 24  # 320 MiB of entries, allocated sparsely
+MAX_CHAIN = 1 << 16  # a chain longer than this is corruption, not load
+
+
+class IndexFile:
+    def __init__(self, path: Path, base: int, slots: int, capacity: int, *, create: bool) -> None:
+        self.path = path
+        self.base = base
+        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
+        if create:
+            os.ftruncate(self.fd, HEADER_SIZE + slots * SLOT.size + capacity * ENTRY.size)
+        self.mm = mmap.mmap(self.fd, 0)
+        if create:
+            HEADER.pack_into(self.mm, 0, FILE_MAGIC, slots, capacity, 0, 0)
+        magic, self.slots, self.capacity, self.count, self.last_offset = HEADER.unpack_from(self.mm, 0)
+        if magic != FILE_MAGIC:
+            raise ValueError(f"{path}: not an index file")
+        self.entries_at = HEADER_SIZE + self.slots * SLOT.size
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.capacity
+
+    def add(self, pairs, start: int) -> int:
+        """Insert `pairs[start:]` (hash, offset) until full; returns how many went in."""
+        mm, slots, entries_at = self.mm, self.slots, self.entries_at
+        n = self.count
+        room = self.capacity - n
+        taken = pairs[start:start + room]
+        for h, offset in taken:
+            slot_at = HEADER_SIZE + (h % slots) * SLOT.size
+            prev = SLOT.unpack_from(mm, slot_at)[0]
+            ENTRY.pack_into(mm, entries_at + n * ENTRY.size, h, offset, prev)
+            n += 1
+            SLOT.pack_into(mm, slot_at, n)
+        if taken:
+            self.count = n
+            self.last_offset = max(self.last_offset, taken[-1][1])
+            HEADER.pack_into(mm, 0, FILE_MAGIC, slots, self.capacity, n, self.last_offset)
+        return len(taken)
+
+    def find(self, h: int) -> list[int]:
+        """Offsets of entries with hash `h`, newest first."""
+        out = []
+        mm = self.mm
+        number = SLOT.unpack_from(mm, HEADER_SIZE + (h % self.slots) * SLOT.size)[0]
+        steps = 0
+        while number and number <= self.count and steps < MAX_CHAIN:
+            eh, offset, prev = ENTRY.unpack_from(mm, self.entries_at + (number - 1) * ENTRY.size)
+            if eh == h:
+                out.append(offset)
+            if prev >= number:
+                break  # chains only point backwards; anything else is damage
+            number = prev
+            steps += 1
+        return out
+
+    def undo_to(self, count: int) -> None:
+        """Forget entries at or after `count`, newest first, restoring each bucket's previous head."""
+        mm = self.mm
+        for number in range(self.count, count, -1):
+            h, _offset, prev = ENTRY.unpack_from(mm, self.entries_at + (number - 1) * ENTRY.size)
+            slot_at = HEADER_SIZE + (h % self.slots) * SLOT.size
+            if SLOT.unpack_from(mm, slot_at)[0] == number:
+                SLOT.pack_into(mm, slot_at, prev)
+        self.count = min(self.count, count)
+        HEADER.pack_into(mm, 0, FILE_MAGIC, self.slots, self.capacity, self.count, self.last_offset)
+
+    def close(self) -> None:
+        self.mm.close()
+        os.close(self.fd)
+
+
+class KeyIndex:
+    """All index files of a store, oldest first. One writer (the store), many readers."""
+
+    def __init__(self, directory: Path, slots: int = DEFAULT_SLOTS, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.directory = directory
+        self.slots = slots
+        self.capacity = capacity
+        directory.mkdir(parents=True, exist_ok=True)
+        self.files = [IndexFile(p, base, slots, capacity, create=False) for base, p in list_segments(directory)]
+        self._dirty: set[IndexFile] = set()
+
+    def add(self, pairs: list[tuple[int, int]]) -> None:
+        done = 0
+        while done < len(pairs):
+            if not self.files or self.files[-1].full:
+                base = pairs[done][1]
+                self.files.append(IndexFile(self.directory / segment_name(base), base, self.slots,
+                                            self.capacity, create=True))
+                fsync_dir(self.directory)
+            done += self.files[-1].add(pairs, done)
+            self._dirty.add(self.files[-1])
+
+    def find(self, h: int) -> list[int]:
+        out = []
+        for index_file in reversed(self.files):
+            out.extend(index_file.find(h))
+        return out
+
+    def state(self) -> dict:
+        if not self.files:
+            return {"file": None, "count": 0}
+        return {"file": self.files[-1].base, "count": self.files[-1].count}
+
+    def restore(self, state: dict | None) -> None:
+        """Return to a checkpoint's state, so replaying from the checkpoint adds nothing twice."""
+        base = state["file"] if state else None
+        count = state["count"] if state else 0
+        while self.files and (base is None or self.files[-1].base > base):
+            self._drop(self.files.pop())
+        if self.files and self.files[-1].base == base:
+            self.files[-1].undo_to(count)
+
+    def remove_files_before(self, min_offset: int) -> int:
+        removed = 0
+        while len(self.files) > 1 and self.files[0].last_offset < min_offset:
+            self._drop(self.files.pop(0))
+            removed += 1
+        return removed
+
+    def _drop(self, index_file: IndexFile) -> None:
+        self._dirty.discard(index_file)
+        index_file.close()
+        index_file.path.unlink(missing_ok=True)
+
+    def take_dirty_fds(self) -> list[int]:
+        fds = [os.dup(f.fd) for f in self._dirty if f in self.files]
+        self._dirty.clear()
+        return fds
+
+    def close(self) -> None:
+        for index_file in self.files:
+            index_file.close()
+        self.files.clear()

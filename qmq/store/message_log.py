@@ -1,0 +1,166 @@
+"""The message log: every message of every subject, appended once, in segments.
+
+The message log is the only source of truth in a store; consume logs and the key index are derived
+from it and can be rebuilt. A record never spans two segments: a segment rolls when the next record
+would not fit, and the next segment's base is the previous segment's end, so offsets are continuous.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from itertools import accumulate
+from pathlib import Path
+
+from qmq.store import record as rec
+from qmq.store.segment import Segment, fsync_dir, list_segments
+
+log = logging.getLogger("qmq.store")
+
+DEFAULT_SEGMENT_BYTES = 1024 * 1024 * 1024
+SCAN_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+class MessageLog:
+    """Segments of the message log. `append` is called by one writer at a time (the store's lock);
+    `read` may be called from any thread."""
+
+    def __init__(self, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+        self.directory = directory
+        self.segment_bytes = segment_bytes
+        directory.mkdir(parents=True, exist_ok=True)
+        self.segments: list[Segment] = [Segment(directory, base) for base, _ in list_segments(directory)]
+        if not self.segments:
+            self.segments.append(Segment(directory, 0, create=True))
+        self._bases = [s.base for s in self.segments]
+        self._unsynced: list[Segment] = []  # sealed segments not yet fsynced
+        self._lock = threading.Lock()  # guards the segment list against the flusher and cleaner
+
+    @property
+    def active(self) -> Segment:
+        return self.segments[-1]
+
+    @property
+    def start_offset(self) -> int:
+        return self.segments[0].base
+
+    @property
+    def end_offset(self) -> int:
+        return self.segments[-1].end
+
+    def append(self, records: Sequence[bytes]) -> list[int]:
+        """Append encoded records; returns the offset of each. Not durable until `sync` covers it."""
+        if not records:
+            return []
+        active = self.active
+        if active.size + sum(map(len, records)) <= self.segment_bytes:
+            offsets = list(accumulate(map(len, records[:-1]), initial=active.end))
+            active.append(b"".join(records))
+            return offsets
+        offsets = []
+        for data in records:  # rolls somewhere in this batch
+            if active.size + len(data) > self.segment_bytes and active.size > 0:
+                active = self._roll()
+            offsets.append(active.end)
+            active.append(data)
+        return offsets
+
+    def _roll(self) -> Segment:
+        sealed = self.active
+        new = Segment(self.directory, sealed.end, create=True)
+        with self._lock:
+            self._unsynced.append(sealed)
+            self.segments.append(new)
+            self._bases.append(new.base)
+        log.info("message log rolled to segment %s", new.path.name)
+        return new
+
+    def sync(self) -> int:
+        """Make everything appended so far durable; returns the offset it is durable up to."""
+        with self._lock:
+            end = self.end_offset
+            todo = [*self._unsynced, self.active]
+            self._unsynced = []
+        for segment in todo:
+            segment.sync()
+        return end
+
+    def segment_for(self, offset: int) -> Segment | None:
+        with self._lock:
+            i = bisect.bisect_right(self._bases, offset) - 1
+            if i < 0:
+                return None
+            segment = self.segments[i]
+        return segment if offset < segment.end else None
+
+    def read_record(self, offset: int, size_hint: int = 4096) -> rec.Record:
+        """The record at `offset`, checked against its CRC. Raises `RecordError` naming the offset."""
+        segment = self.segment_for(offset)
+        if segment is None:
+            raise rec.RecordError(offset, f"no segment holds offset {offset} (log is "
+                                          f"{self.start_offset}..{self.end_offset})")
+        position = offset - segment.base
+        buf = segment.read(position, size_hint)
+        try:
+            return rec.decode(buf, 0, offset)
+        except rec.TruncatedRecord:
+            if len(buf) < rec.HEADER_SIZE:
+                raise
+            size = rec.PREFIX.unpack_from(buf, 0)[0]
+            return rec.decode(segment.read(position, size), 0, offset)
+        except rec.RecordError as exc:
+            raise rec.RecordError(offset, f"{segment.path}: {exc.reason}") from None
+
+    def scan(self, start: int, end: int | None = None) -> Iterator[rec.Record]:
+        """Valid records from `start` (a record boundary) up to `end`; raises `RecordError` on a bad one."""
+        for segment in list(self.segments):
+            if segment.end <= start:
+                continue
+            yield from scan_segment(segment, max(start, segment.base), end)
+            if end is not None and segment.end >= end:
+                return
+
+    def remove_segments_before(self, offset: int) -> list[Segment]:
+        """Drop (and delete) whole segments that end at or before `offset`; never the active one."""
+        removed = []
+        with self._lock:
+            while len(self.segments) > 1 and self.segments[0].end <= offset:
+                segment = self.segments.pop(0)
+                self._bases.pop(0)
+                removed.append(segment)
+            self._unsynced = [s for s in self._unsynced if s not in removed]
+        for segment in removed:
+            segment.close()
+            segment.path.unlink(missing_ok=True)
+        if removed:
+            fsync_dir(self.directory)
+        return removed
+
+    def close(self) -> None:
+        for segment in self.segments:
+            segment.close()
+
+
+def scan_segment(segment: Segment, start: int, end: int | None = None) -> Iterator[rec.Record]:
+    """Records of one segment from log offset `start`; raises `RecordError` at the first bad one
+    (`TruncatedRecord` when the segment ends inside a record)."""
+    position = start - segment.base
+    limit = segment.size if end is None else min(segment.size, end - segment.base)
+    buf = b""
+    buf_start = position
+    while position < limit:
+        try:
+            record = rec.decode(buf, position - buf_start, segment.base + buf_start)
+        except rec.TruncatedRecord:
+            if buf_start + len(buf) >= limit:
+                raise
+            need = SCAN_CHUNK_BYTES
+            if buf_start + len(buf) - position >= rec.PREFIX.size:
+                need = max(need, rec.PREFIX.unpack_from(buf, position - buf_start)[0])
+            buf = segment.read(position, min(need, limit - position))
+            buf_start = position
+            continue
+        yield record
+        position += record.size

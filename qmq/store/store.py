@@ -1,0 +1,526 @@
+"""The log store: the storage engine of the broker and the delay server.
+
+One message log holds every record; per-subject consume logs and a key index are derived from it; a
+checkpoint says how far the derived logs are complete, so a restart replays only what follows it.
+Appends are thread-safe and batched; durability is awaited separately (see `flush.py`), so a server
+can keep appending while earlier batches wait for their fsync.
+
+Layout of a data directory (docs/formats.md):
+    messagelog/<base offset>           consumelog/<subject>/<base seq>
+    index/<base offset>                checkpoint/checkpoint.json
+    quarantine/ (only after a repair)  LOCK
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import NamedTuple
+
+from qmq.protocol.errors import ProtocolError
+from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subject, validate_tags
+from qmq.store import checkpoint as ckpt
+from qmq.store import record as rec
+from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ENTRY_SIZE, ConsumeLog, Entry, pack_entry
+from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, Flusher, FlushMode
+from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
+from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
+from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
+from qmq.store.segment import list_segments
+
+log = logging.getLogger("qmq.store")
+
+FORMAT_FILE = "store.json"
+FORMAT_VERSION = 1
+DEFAULT_CHECKPOINT_INTERVAL_S = 10.0
+DEFAULT_RETENTION_S = 72 * 3600
+DEFAULT_CLEAN_INTERVAL_S = 60.0
+VERIFY_RECENT_SEGMENTS = 3  # the active segment and the two sealed before it are CRC-checked at every open
+
+
+class StoreError(Exception):
+    """A request the store cannot take (bad argument, store closed or read-only)."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    consume_segment_entries: int = DEFAULT_ENTRIES_PER_SEGMENT
+    index_slots: int = DEFAULT_SLOTS
+    index_capacity: int = DEFAULT_CAPACITY
+    flush: FlushMode = FlushMode.SYNC
+    flush_interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS  # async mode
+    checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
+    retention_s: float = DEFAULT_RETENTION_S
+    clean_interval_s: float = DEFAULT_CLEAN_INTERVAL_S
+    verify_all_on_open: bool = False  # CRC-check every segment at open, not only the recent ones
+    repair: bool = False  # quarantine corrupt regions instead of refusing to open
+    background: bool = True  # run the checkpoint and cleaner thread
+
+
+class Message(NamedTuple):
+    """What a producer hands the store. `payload` is opaque to the store."""
+
+    subject: str
+    message_id: str
+    payload: bytes
+    key: str | None = None
+    tags: tuple[str, ...] = ()
+    flags: int = 0
+
+
+class Appended(NamedTuple):
+    offset: int
+    seq: int
+    end: int  # durability of this record is `end <= durable offset`
+
+
+@dataclass
+class ReadResult:
+    records: list[rec.Record]
+    next_seq: int  # where the next read of this subject should start
+
+
+class LogStore:
+    """Open with `LogStore(data_dir, config)`; close with `close()` (or use as a context manager)."""
+
+    def __init__(self, data_dir: str | os.PathLike, config: StoreConfig | None = None) -> None:
+        self.config = config or StoreConfig()
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_directory(self.data_dir)
+        self.config = _fixed_format(self.data_dir, self.config)
+        self._lock = threading.RLock()
+        self._closed = False
+        self.message_log = MessageLog(self.data_dir / "messagelog", self.config.segment_bytes)
+        self._consume_dir = self.data_dir / "consumelog"
+        self._checkpoint_dir = self.data_dir / "checkpoint"
+        self._next_seq: dict[str, int] = {}
+        self._subject_bytes: dict[str, bytes] = {}
+        self._consume_logs: dict[str, ConsumeLog] = {}
+        self._failed: BaseException | None = None
+        self.index: KeyIndex | None = None
+        try:
+            self.recovery = self._recover()
+        except BaseException:
+            self._close_files()
+            raise
+        self.flusher = Flusher(self.message_log, self.config.flush, self.config.flush_interval_ms)
+        self._stop = threading.Event()
+        self._background: threading.Thread | None = None
+        if self.config.background:
+            self._background = threading.Thread(target=self._background_loop, name="qmq-store-bg", daemon=True)
+            self._background.start()
+
+    # ---- opening ----------------------------------------------------------------------------
+
+    def _recover(self) -> RecoveryReport:
+        """Check the log, then bring the derived logs up to its end (module recovery.py)."""
+        start = self.message_log.start_offset
+        try:
+            checkpoint = ckpt.load(self._checkpoint_dir)
+        except ckpt.CheckpointError as exc:
+            log.warning("%s: rebuilding the derived logs from the message log", exc)
+            checkpoint = None
+        if checkpoint is not None and not start <= checkpoint.offset <= self.message_log.end_offset:
+            log.warning("checkpoint offset %d is outside the message log %d..%d: rebuilding derived logs",
+                        checkpoint.offset, start, self.message_log.end_offset)
+            checkpoint = None
+        rebuild = self.config.repair or (checkpoint is None and self.message_log.end_offset > start)
+        if rebuild:
+            checkpoint = ckpt.Checkpoint(offset=start, next_seq=self._sequences_on_disk(checkpoint))
+            self._reset_derived()
+        checkpoint = checkpoint or ckpt.Checkpoint(offset=start)
+        scan_from = start
+        if not self.config.verify_all_on_open:  # after the checkpoint, and at least the newest segments
+            recent = self.message_log.segments[-VERIFY_RECENT_SEGMENTS:][0].base
+            scan_from = min(checkpoint.offset, recent)
+        report = RecoveryReport(scanned_from=scan_from)
+        self._open_derived(checkpoint)
+        replay(self._validated(scan_from, checkpoint.offset, report), checkpoint.offset, self._derive, report)
+        if report.repaired and not rebuild:  # damaged records must leave holes, not stale entries
+            checkpoint = ckpt.Checkpoint(offset=start, next_seq=self._sequences_on_disk(checkpoint))
+            self._reset_derived()
+            self._open_derived(checkpoint)
+            replay(self._validated(start, start, RecoveryReport()), start, self._derive, report)
+        for subject, consume_log in self._consume_logs.items():
+            consume_log.truncate(self._next_seq.get(subject, 0))
+        self.message_log.sync()
+        self._save_checkpoint(self._snapshot())
+        log.info("store %s open: log %d..%d, %d records replayed, %d torn bytes cut, %d regions repaired",
+                 self.data_dir, start, self.message_log.end_offset, report.replayed,
+                 report.truncated_bytes, len(report.repaired))
+        return report
+
+    def _sequences_on_disk(self, checkpoint: ckpt.Checkpoint | None) -> dict[str, int]:
+        """A floor for each subject's next sequence when the derived logs are rebuilt, so a subject
+        whose records all expired does not start again at 0."""
+        floor = dict(checkpoint.next_seq) if checkpoint else {}
+        if self._consume_dir.exists():
+            for subject_dir in self._consume_dir.iterdir():
+                for base, path in list_segments(subject_dir):
+                    end = base + path.stat().st_size // ENTRY_SIZE
+                    floor[subject_dir.name] = max(floor.get(subject_dir.name, 0), end)
+        return floor
+
+    def _open_derived(self, checkpoint: ckpt.Checkpoint) -> None:
+        self.index = KeyIndex(self.data_dir / "index", self.config.index_slots, self.config.index_capacity)
+        self.index.restore(checkpoint.index)
+        self._next_seq = dict(checkpoint.next_seq)
+        if self._consume_dir.exists():
+            for subject_dir in sorted(self._consume_dir.iterdir()):
+                self._consume_log(subject_dir.name)
+
+    def _validated(self, start: int, durable_floor: int, report: RecoveryReport):
+        return scan_for_recovery(self.message_log, start, durable_floor, repair=self.config.repair,
+                                 quarantine=self.data_dir / "quarantine", report=report)
+
+    def _reset_derived(self) -> None:
+        if self.index is not None:
+            self.index.close()
+            self.index = None
+        for consume_log in self._consume_logs.values():
+            consume_log.close()
+        self._consume_logs.clear()
+        shutil.rmtree(self._consume_dir, ignore_errors=True)
+        shutil.rmtree(self.data_dir / "index", ignore_errors=True)
+
+    # ---- writing ----------------------------------------------------------------------------
+
+    def append(self, messages: Sequence[Message]) -> list[Appended]:
+        """Append a batch; all or nothing. In sync flush mode the batch is durable only once
+        `wait_durable(result[-1].end)` / `await durable(...)` returns. This is the hot path."""
+        with self._lock:
+            self._check_writable()
+            now = time.time_ns() // 1_000_000
+            next_seq = self._next_seq
+            subject_bytes = self._subject_bytes
+            first: dict[str, int] = {}  # subject -> its first sequence in this batch
+            seqs = []
+            encoded = []
+            hashes = []
+            try:
+                for m in messages:
+                    subject = m.subject
+                    subject_b = subject_bytes.get(subject) or self._new_subject(subject)
+                    message_id = m.message_id.encode()
+                    key = m.key.encode() if m.key else b""
+                    if not 0 < len(message_id) <= MAX_MESSAGE_ID_LEN or len(key) > MAX_KEY_LEN:
+                        raise StoreError(f"message id must be 1-{MAX_MESSAGE_ID_LEN} bytes and key at most "
+                                         f"{MAX_KEY_LEN} bytes (message id {m.message_id!r})")
+                    seq = next_seq.get(subject, 0)
+                    if subject not in first:
+                        first[subject] = seq
+                    next_seq[subject] = seq + 1
+                    seqs.append(seq)
+                    encoded.append(rec.encode(rec.Attr.MESSAGE, m.flags, now, seq, subject_b, message_id, key,
+                                              _encode_tags(m.tags) if m.tags else b"", m.payload))
+                    hashes.append((rec.key_hash(message_id), rec.key_hash(key, subject_b) if key else 0))
+            except Exception as exc:
+                _rewind(next_seq, first)
+                if isinstance(exc, StoreError | ProtocolError):
+                    raise
+                raise StoreError(f"bad message in batch: {exc}") from exc
+            try:
+                offsets = self.message_log.append(encoded)
+            except OSError as exc:  # disk full, I/O error: a partial record may be on disk
+                self._failed = exc
+                log.critical("message log append failed, the store is read-only until reopened: %s", exc)
+                raise StoreError(f"append failed: {exc}") from exc
+            results = []
+            runs: dict[str, list[bytes]] = {subject: [] for subject in first}
+            index_pairs = []
+            for m, offset, seq, data, (id_hash, key_hash) in zip(messages, offsets, seqs, encoded, hashes,
+                                                                  strict=True):
+                size = len(data)
+                results.append(Appended(offset, seq, offset + size))
+                runs[m.subject].append(pack_entry(offset, size, rec.tag_mask(m.tags) if m.tags else 0, now))
+                index_pairs.append((id_hash, offset))
+                if key_hash:
+                    index_pairs.append((key_hash, offset))
+            for subject, entries in runs.items():
+                self._consume_log(subject).write(first[subject], b"".join(entries))
+            self.index.add(index_pairs)
+        return results
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed")
+        if self._failed is not None:
+            raise StoreError(f"the store failed to write earlier and is read-only until reopened: {self._failed}")
+        self.flusher.check()
+
+    def _new_subject(self, subject: str) -> bytes:
+        validate_subject(subject, allow_system=True)
+        encoded = subject.encode()
+        self._subject_bytes[subject] = encoded
+        return encoded
+
+    def _derive(self, records: list[rec.Record]) -> None:
+        """Write consume-log entries and index entries for records already in the message log."""
+        index_pairs = []
+        for r in records:
+            if r.is_blank:
+                continue
+            self._consume_log(r.subject).write(
+                r.seq, pack_entry(r.offset, r.size, rec.tag_mask(r.tags) if r.tags else 0, r.store_ts))
+            if r.seq + 1 > self._next_seq.get(r.subject, 0):
+                self._next_seq[r.subject] = r.seq + 1
+            index_pairs.append((rec.key_hash(r.message_id.encode()), r.offset))
+            if r.key:
+                index_pairs.append((rec.key_hash(r.key.encode(), r.subject.encode()), r.offset))
+        self.index.add(index_pairs)
+
+    def _consume_log(self, subject: str) -> ConsumeLog:
+        consume_log = self._consume_logs.get(subject)
+        if consume_log is None:
+            consume_log = ConsumeLog(self._consume_dir / subject, self.config.consume_segment_entries)
+            self._consume_logs[subject] = consume_log
+        return consume_log
+
+    def append_durable(self, messages: Sequence[Message], timeout: float | None = None) -> list[Appended]:
+        """Append and, in sync mode, block until the batch is durable."""
+        results = self.append(messages)
+        if results and self.config.flush is FlushMode.SYNC:
+            self.flusher.wait_durable(results[-1].end, timeout)
+        return results
+
+    def wait_durable(self, offset: int, timeout: float | None = None) -> None:
+        self.flusher.wait_durable(offset, timeout)
+
+    async def durable(self, offset: int) -> None:
+        if self.config.flush is FlushMode.SYNC:
+            await self.flusher.durable(offset)
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def subjects(self) -> dict[str, int]:
+        """Each subject's next sequence (= number of messages ever stored in it)."""
+        with self._lock:
+            return dict(self._next_seq)
+
+    def next_seq(self, subject: str) -> int:
+        with self._lock:
+            return self._next_seq.get(subject, 0)
+
+    def first_seq(self, subject: str) -> int:
+        with self._lock:
+            consume_log = self._consume_logs.get(subject)
+            return consume_log.first_seq if consume_log else 0
+
+    def entries(self, subject: str, seq: int, count: int) -> list[Entry | None]:
+        with self._lock:
+            consume_log = self._consume_logs.get(subject)
+            end = self._next_seq.get(subject, 0)
+            if consume_log is None or seq >= end:
+                return []
+            return consume_log.read(seq, min(count, end - seq))
+
+    def read(self, subject: str, seq: int, max_count: int = 32, *, tags: Sequence[str] = (),
+             match_all: bool = False, max_scan: int = 4096) -> ReadResult:
+        """Up to `max_count` messages of `subject` from sequence `seq`, skipping those whose tags do not
+        match (any of `tags`, or all of them with `match_all`), holes, and messages already removed by
+        retention. Examines at most `max_scan` entries, so a selective filter cannot stall a caller."""
+        seq = max(seq, self.first_seq(subject))
+        wanted = [rec.tag_mask((t,)) for t in tags]
+        records: list[rec.Record] = []
+        scanned = 0
+        while len(records) < max_count and scanned < max_scan:
+            batch = self.entries(subject, seq, min(max_scan - scanned, 256))
+            if not batch:
+                break
+            for entry in batch:
+                seq += 1
+                scanned += 1
+                if entry is None or entry.offset < self.message_log.start_offset:
+                    continue
+                if wanted and not _mask_matches(entry.tag_mask, wanted, match_all):
+                    continue
+                record = self.message_log.read_record(entry.offset, entry.size)
+                if record.is_blank:
+                    continue
+                if record.subject != subject or record.seq != entry.seq:
+                    raise rec.RecordError(entry.offset, f"consume log of {subject!r} seq {entry.seq} points at "
+                                                        f"{record.subject!r} seq {record.seq}")
+                if tags and not _tags_match(record.tags, tags, match_all):
+                    continue
+                records.append(record)
+                if len(records) >= max_count:
+                    break
+        return ReadResult(records, seq)
+
+    def read_record(self, offset: int) -> rec.Record:
+        return self.message_log.read_record(offset)
+
+    def find_by_id(self, message_id: str) -> rec.Record | None:
+        """The record with this message id, or None; a bounded number of reads (index.py)."""
+        for offset in self.index.find(rec.key_hash(message_id.encode())):
+            record = self._indexed_record(offset)
+            if record is not None and record.message_id == message_id:
+                return record
+        return None
+
+    def find_by_key(self, subject: str, key: str) -> list[rec.Record]:
+        """Records of `subject` with this key, newest first."""
+        found = []
+        for offset in self.index.find(rec.key_hash(key.encode(), subject.encode())):
+            record = self._indexed_record(offset)
+            if record is not None and record.subject == subject and record.key == key:
+                found.append(record)
+        return found
+
+    def _indexed_record(self, offset: int) -> rec.Record | None:
+        if offset < self.message_log.start_offset or offset >= self.message_log.end_offset:
+            return None
+        return self.message_log.read_record(offset)
+
+    # ---- checkpoint and retention -------------------------------------------------------------
+
+    def _snapshot(self) -> tuple[ckpt.Checkpoint, list[int]]:
+        with self._lock:
+            checkpoint = ckpt.Checkpoint(self.message_log.end_offset, dict(self._next_seq), self.index.state())
+            fds = self.index.take_dirty_fds()
+            for consume_log in self._consume_logs.values():
+                fds.extend(consume_log.take_dirty_fds())
+        return checkpoint, fds
+
+    def _save_checkpoint(self, snapshot: tuple[ckpt.Checkpoint, list[int]]) -> None:
+        checkpoint, fds = snapshot
+        try:
+            for fd in fds:
+                os.fsync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        ckpt.save(self._checkpoint_dir, checkpoint)
+
+    def checkpoint(self) -> None:
+        """Make the derived logs durable up to the current end and record it."""
+        snapshot = self._snapshot()
+        self.flusher.wait_durable(snapshot[0].offset)
+        self._save_checkpoint(snapshot)
+
+    def clean(self, now: float | None = None) -> int:
+        """Delete message-log segments whose last write is older than the retention, and the derived
+        segments that only point into them. The active segment is never deleted. Returns how many
+        message-log segments went."""
+        cutoff = (now if now is not None else time.time()) - self.config.retention_s
+        with self._lock:
+            expired_end = None
+            for segment in self.message_log.segments[:-1]:
+                if segment.mtime() >= cutoff:
+                    break
+                expired_end = segment.end
+            if expired_end is None:
+                return 0
+            removed = self.message_log.remove_segments_before(expired_end)
+            start = self.message_log.start_offset
+            for subject, consume_log in self._consume_logs.items():
+                consume_log.remove_segments_before(start, self._next_seq.get(subject, 0))
+            self.index.remove_files_before(start)
+        for segment in removed:
+            log.info("retention: deleted %s", segment.path.name)
+        return len(removed)
+
+    def _background_loop(self) -> None:
+        next_clean = time.monotonic() + self.config.clean_interval_s
+        while not self._stop.wait(self.config.checkpoint_interval_s):
+            try:
+                self.checkpoint()
+                if time.monotonic() >= next_clean:
+                    self.clean()
+                    next_clean = time.monotonic() + self.config.clean_interval_s
+            except Exception:
+                log.exception("store background work failed; retrying at the next interval")
+
+    # ---- closing ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._background is not None:
+            self._background.join()
+        self.flusher.close()
+        if self.flusher.error is None:
+            self._save_checkpoint(self._snapshot())
+        with self._lock:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for consume_log in self._consume_logs.values():
+            consume_log.close()
+        if self.index is not None:
+            self.index.close()
+        self.message_log.close()
+        os.close(self._lock_fd)
+
+    def __enter__(self) -> LogStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _encode_tags(tags: Sequence[str]) -> bytes:
+    return rec.TAG_SEPARATOR.join(validate_tags(tags)).encode()
+
+
+def _rewind(next_seq: dict[str, int], first: dict[str, int]) -> None:
+    """Undo the sequences handed out to a batch that was refused."""
+    for subject, seq in first.items():
+        if seq == 0:
+            next_seq.pop(subject, None)
+        else:
+            next_seq[subject] = seq
+
+
+def _mask_matches(mask: int, wanted: list[int], match_all: bool) -> bool:
+    if match_all:
+        return all(mask & w == w for w in wanted)
+    return any(mask & w == w for w in wanted)
+
+
+def _tags_match(have: Sequence[str], wanted: Sequence[str], match_all: bool) -> bool:
+    if match_all:
+        return all(t in have for t in wanted)
+    return any(t in have for t in wanted)
+
+
+def _fixed_format(data_dir: Path, config: StoreConfig) -> StoreConfig:
+    """Settings that decide where bytes live cannot change after a store is created: keep the first
+    ones in `store.json` and use them on every later open."""
+    path = data_dir / FORMAT_FILE
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("format") != FORMAT_VERSION:
+            raise StoreError(f"{path}: store format {saved.get('format')} is not {FORMAT_VERSION}")
+        return replace(config, consume_segment_entries=saved["consume_segment_entries"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"format": FORMAT_VERSION, "consume_segment_entries": config.consume_segment_entries}))
+    os.replace(tmp, path)
+    return config
+
+
+def _lock_directory(data_dir: Path) -> int:
+    """Hold an exclusive lock on the data directory for as long as the store is open."""
+    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise StoreError(f"{data_dir} is in use by another process (pid {holder or 'unknown'})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

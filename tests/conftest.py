@@ -1,0 +1,62 @@
+"""Fixtures shared by every test: a PostgreSQL database and a Redis key space of this run's own,
+free ports, and real child processes that are always stopped."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import psycopg
+import pytest
+import redis
+
+from tests.support.processes import ProcessManager, free_port
+
+PG_ADMIN_URL = os.environ.get("QMQ_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("QMQ_REDIS_URL", "redis://127.0.0.1:6379/0")
+RUN_ID = f"{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """A PostgreSQL database made for this test run and dropped after it."""
+    name = f"qmq_test_{RUN_ID}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    yield f"{base}/{name}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def redis_prefix():
+    """A key prefix owned by this test run; its keys are deleted after it."""
+    prefix = f"qmq_test:{RUN_ID}:"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(match=prefix + "*"):
+        client.delete(key)
+    client.close()
+
+
+@pytest.fixture
+def redis_client():
+    client = redis.Redis.from_url(REDIS_URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def processes(tmp_path):
+    """Start real processes with `processes.start([...])`; all are killed at teardown, pass or fail."""
+    manager = ProcessManager(tmp_path)
+    try:
+        yield manager
+    finally:
+        manager.stop_all()

@@ -1,0 +1,90 @@
+"""Real server processes for tests: started in their own process group, tied to the test run's life
+(they die with it even if pytest is SIGKILLed), and always stopped at teardown."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 5.0
+READY_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    os.setsid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def wait_for_port(port: int, proc: subprocess.Popen | None = None, timeout: float = READY_TIMEOUT_S) -> None:
+    """Wait until something accepts on 127.0.0.1:port; fail early if `proc` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.02)  # polling a port: there is no event to await from outside the process
+    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout}s")
+
+
+class ProcessManager:
+    """Starts child processes and guarantees they are gone when `stop_all` returns."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: Sequence[str], *, name: str, env: dict | None = None, python: bool = True,
+              stdout=None) -> subprocess.Popen:
+        cmd = [sys.executable, *args] if python else list(args)
+        log = open(self.log_dir / f"{name}-{len(self.procs)}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(
+            cmd,
+            stdout=stdout if stdout is not None else log,
+            stderr=log,
+            env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent,
+        )
+        proc.log_path = Path(log.name)  # type: ignore[attr-defined]
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> int:
+        """Send `sig` to the process group and wait for the process to end."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        return proc.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group, grandchildren too
+            proc.wait(timeout=30)
+        self.procs.clear()

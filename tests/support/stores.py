@@ -1,0 +1,19 @@
+"""Small store settings for tests: tiny segments so rolling, retention and index rolls happen often."""
+
+from qmq.store.store import StoreConfig
+
+SMALL = StoreConfig(
+    segment_bytes=64 * 1024,
+    consume_segment_entries=128,
+    index_slots=256,
+    index_capacity=1024,
+    background=False,
+)
+
+
+def payload_for(message_id: str) -> bytes:
+    """A payload derived from the id, so a reader can tell a record is byte-identical without a copy."""
+    import hashlib
+
+    digest = hashlib.sha256(message_id.encode()).digest()
+    return (digest * (1 + digest[0] % 40))[: 16 + digest[1] * 4]
