@@ -60,6 +60,11 @@ class ConsumeLog:
         """Write packed entries for `seq`, `seq + 1`, ...; rewriting an entry with the same bytes is
         harmless, which makes replay idempotent."""
         per = self.entries_per_segment
+        base = seq - seq % per
+        if seq + len(entries) // ENTRY_SIZE <= base + per:  # the common case: one segment
+            os.pwrite(self._fds.get(base) or self._fd(base), entries, (seq - base) * ENTRY_SIZE)
+            self.dirty.add(base)
+            return
         view = memoryview(entries)
         while view:
             base = seq - seq % per
@@ -80,11 +85,15 @@ class ConsumeLog:
             return []
         count = min(count, base + per - seq)
         data = os.pread(fd, count * ENTRY_SIZE, (seq - base) * ENTRY_SIZE)
+        data = data[: len(data) - len(data) % ENTRY_SIZE]
         out: list[Entry | None] = []
-        for i in range(len(data) // ENTRY_SIZE):
-            magic, _attr, _r, size, offset, mask, ts = ENTRY.unpack_from(data, i * ENTRY_SIZE)
+        for i, (magic, _attr, _r, size, offset, mask, ts) in enumerate(ENTRY.iter_unpack(data)):
             out.append(Entry(seq + i, offset, size, mask, ts) if magic == ENTRY_MAGIC else None)
         return out
+
+    def end_seq(self) -> int:
+        """One past the highest sequence written (0 if none)."""
+        return max((base + os.fstat(fd).st_size // ENTRY_SIZE for base, fd in self._fds.items()), default=0)
 
     def last_entry_of(self, base: int) -> Entry | None:
         size = os.fstat(self._fds[base]).st_size

@@ -10,9 +10,12 @@ data, so every waiter gets the error and so does every later append (PostgreSQL'
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import logging
 import threading
-from collections.abc import Callable
+import time
 from enum import StrEnum
 
 from qmq.store.message_log import MessageLog
@@ -20,8 +23,9 @@ from qmq.store.message_log import MessageLog
 log = logging.getLogger("qmq.store")
 
 DEFAULT_ASYNC_INTERVAL_MS = 500
-
-Callback = Callable[[BaseException | None], None]
+# Under load, wait this long after the previous fsync so more appends share the next one (PostgreSQL's
+# commit_delay). An idle store flushes at once, so a lone writer pays no delay.
+DEFAULT_COMMIT_WINDOW_MS = 1.0
 
 
 class FlushMode(StrEnum):
@@ -34,88 +38,98 @@ class FlushFailed(OSError):
 
 
 class Flusher:
-    """The thread that fsyncs the message log and tells waiters when their offset is durable."""
+    """The thread that fsyncs the message log and tells waiters when their offset is durable.
+
+    Blocking callers use `wait_durable`; asyncio callers `await durable(offset)`, which costs one
+    cross-thread wake-up per flush round and loop, not one per waiter."""
 
     def __init__(self, message_log: MessageLog, mode: FlushMode = FlushMode.SYNC,
-                 interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS) -> None:
+                 interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS,
+                 commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS) -> None:
         self.message_log = message_log
         self.mode = FlushMode(mode)
         self.interval_s = interval_ms / 1000
+        self.commit_window_s = commit_window_ms / 1000
         self.durable_offset = message_log.end_offset
         self.error: BaseException | None = None
         self.syncs = 0  # fsync rounds so far, for metrics and benchmarks
-        self._waiters: list[tuple[int, Callback]] = []
+        self._requested = 0  # highest offset someone waits for
         self._cond = threading.Condition()
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopWaiters] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="qmq-flusher", daemon=True)
         self._thread.start()
 
-    def when_durable(self, offset: int, callback: Callback) -> None:
-        """Call `callback(None)` once everything before `offset` is durable, or `callback(error)` if
-        that can no longer happen. The callback runs on the flusher thread: keep it short."""
+    def request(self, offset: int) -> None:
+        """Ask for a flush that covers `offset` (sync mode flushes at once; async at the next tick)."""
+        if offset <= self.durable_offset:
+            return
         with self._cond:
-            if self.error is None and offset > self.durable_offset:
-                self._waiters.append((offset, callback))
-                self._cond.notify()
-                return
-            error = self.error
-        callback(error)
+            if offset > self._requested:
+                self._requested = offset
+                self._cond.notify_all()
 
     def wait_durable(self, offset: int, timeout: float | None = None) -> None:
         """Block until everything before `offset` is durable. Raises `FlushFailed` or `TimeoutError`."""
-        done = threading.Event()
-        result: list[BaseException | None] = []
-
-        def settle(error: BaseException | None) -> None:
-            result.append(error)
-            done.set()
-
-        self.when_durable(offset, settle)
-        if not done.wait(timeout):
-            raise TimeoutError(f"offset {offset} not durable within {timeout}s")
-        if result[0] is not None:
-            raise FlushFailed(f"flush failed: {result[0]}") from result[0]
+        self.request(offset)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.durable_offset < offset and self.error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"offset {offset} not durable within {timeout}s")
+                self._cond.wait(remaining)
+        self.check()
 
     async def durable(self, offset: int) -> None:
         """Await durability of everything before `offset` from an asyncio loop."""
+        self.check()
+        if offset <= self.durable_offset:
+            return
         loop = asyncio.get_running_loop()
+        waiters = self._loops.get(loop)
+        if waiters is None:
+            with self._cond:
+                waiters = self._loops[loop] = _LoopWaiters(loop)
         future = loop.create_future()
-
-        def settle(error: BaseException | None) -> None:
-            loop.call_soon_threadsafe(_settle_future, future, error)
-
-        self.when_durable(offset, settle)
+        waiters.add(offset, future)
+        self.request(offset)
         await future
 
     def _run(self) -> None:
+        last_sync = 0.0
         while True:
             with self._cond:
                 if self.mode is FlushMode.SYNC:
-                    while not self._waiters and not self._stopping:
+                    while self._requested <= self.durable_offset and not self._stopping:
                         self._cond.wait()
                 elif not self._stopping:
                     self._cond.wait(self.interval_s)
-                waiters, self._waiters = self._waiters, []
                 stopping = self._stopping
+            since_last = time.monotonic() - last_sync
+            if self.mode is FlushMode.SYNC and since_last < self.commit_window_s and not stopping:
+                time.sleep(self.commit_window_s - since_last)
             try:
                 end = self.message_log.sync()
                 error = None
             except OSError as exc:
                 log.critical("fsync of the message log failed, the store stops accepting writes: %s", exc)
                 error = exc
+            last_sync = time.monotonic()
             with self._cond:
                 self.syncs += 1
                 if error is None:
                     self.durable_offset = max(self.durable_offset, end)
                 else:
                     self.error = error
-                    waiters.extend(self._waiters)
-                    self._waiters = []
-            for offset, callback in waiters:
-                if error is None and offset > end:
-                    self.when_durable(offset, callback)  # appended after our snapshot: next round
+                self._cond.notify_all()
+                loops = list(self._loops.values())
+            for waiters in loops:
+                if waiters.loop.is_closed():
+                    with self._cond:
+                        self._loops.pop(waiters.loop, None)
                 else:
-                    callback(error)
+                    waiters.wake(self.durable_offset, self.error)
             if stopping or error is not None:
                 return
 
@@ -128,14 +142,33 @@ class Flusher:
         """Flush what is left and stop the thread."""
         with self._cond:
             self._stopping = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join()
 
 
-def _settle_future(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(FlushFailed(f"flush failed: {error}"))
+class _LoopWaiters:
+    """Futures of one event loop waiting for durability, smallest offset first."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: list[tuple[int, int, asyncio.Future]] = []  # a heap
+        self._count = itertools.count()
+
+    def add(self, offset: int, future: asyncio.Future) -> None:
+        heapq.heappush(self.pending, (offset, next(self._count), future))
+
+    def wake(self, durable: int, error: BaseException | None) -> None:
+        """Called on the flusher thread after each round."""
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            self.loop.call_soon_threadsafe(self._settle, durable, error)
+
+    def _settle(self, durable: int, error: BaseException | None) -> None:
+        pending = self.pending
+        while pending and (error is not None or pending[0][0] <= durable):
+            future = heapq.heappop(pending)[2]
+            if future.done():
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(FlushFailed(f"flush failed: {error}"))

@@ -29,12 +29,11 @@ from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subject, validate_tags
 from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
-from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ENTRY_SIZE, ConsumeLog, Entry, pack_entry
-from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, Flusher, FlushMode
+from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, Entry, pack_entry
+from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
-from qmq.store.segment import list_segments
 
 log = logging.getLogger("qmq.store")
 
@@ -58,6 +57,7 @@ class StoreConfig:
     index_capacity: int = DEFAULT_CAPACITY
     flush: FlushMode = FlushMode.SYNC
     flush_interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS  # async mode
+    commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS  # sync mode, under load (flush.py)
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
     retention_s: float = DEFAULT_RETENTION_S
     clean_interval_s: float = DEFAULT_CLEAN_INTERVAL_S
@@ -113,7 +113,8 @@ class LogStore:
         except BaseException:
             self._close_files()
             raise
-        self.flusher = Flusher(self.message_log, self.config.flush, self.config.flush_interval_ms)
+        self.flusher = Flusher(self.message_log, self.config.flush, self.config.flush_interval_ms,
+                               self.config.commit_window_ms)
         self._stop = threading.Event()
         self._background: threading.Thread | None = None
         if self.config.background:
@@ -166,9 +167,9 @@ class LogStore:
         floor = dict(checkpoint.next_seq) if checkpoint else {}
         if self._consume_dir.exists():
             for subject_dir in self._consume_dir.iterdir():
-                for base, path in list_segments(subject_dir):
-                    end = base + path.stat().st_size // ENTRY_SIZE
-                    floor[subject_dir.name] = max(floor.get(subject_dir.name, 0), end)
+                consume_log = ConsumeLog(subject_dir, self.config.consume_segment_entries)
+                floor[subject_dir.name] = max(floor.get(subject_dir.name, 0), consume_log.end_seq())
+                consume_log.close()
         return floor
 
     def _open_derived(self, checkpoint: ckpt.Checkpoint) -> None:
