@@ -40,6 +40,8 @@ log = logging.getLogger("qmq.store")
 FORMAT_FILE = "store.json"
 FORMAT_VERSION = 1
 DEFAULT_CHECKPOINT_INTERVAL_S = 10.0
+DEFAULT_CHECKPOINT_BYTES = 256 * 1024 * 1024
+BACKGROUND_TICK_S = 0.5
 DEFAULT_RETENTION_S = 72 * 3600
 DEFAULT_CLEAN_INTERVAL_S = 60.0
 VERIFY_RECENT_SEGMENTS = 3  # the active segment and the two sealed before it are CRC-checked at every open
@@ -59,6 +61,7 @@ class StoreConfig:
     flush_interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS  # async mode
     commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS  # sync mode, under load (flush.py)
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
+    checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES  # or after this much was appended
     retention_s: float = DEFAULT_RETENTION_S
     clean_interval_s: float = DEFAULT_CLEAN_INTERVAL_S
     verify_all_on_open: bool = False  # CRC-check every segment at open, not only the recent ones
@@ -107,6 +110,8 @@ class LogStore:
         self._subject_bytes: dict[str, bytes] = {}
         self._consume_logs: dict[str, ConsumeLog] = {}
         self._failed: BaseException | None = None
+        self._checkpointed = threading.Condition()
+        self.checkpoint_offset = 0  # of the last checkpoint written
         self.index: KeyIndex | None = None
         try:
             self.recovery = self._recover()
@@ -402,6 +407,14 @@ class LogStore:
             for fd in fds:
                 os.close(fd)
         ckpt.save(self._checkpoint_dir, checkpoint)
+        with self._checkpointed:
+            self.checkpoint_offset = checkpoint.offset
+            self._checkpointed.notify_all()
+
+    def wait_checkpoint(self, offset: int, timeout: float | None = None) -> bool:
+        """Block until a checkpoint covers `offset`; False on timeout."""
+        with self._checkpointed:
+            return self._checkpointed.wait_for(lambda: self.checkpoint_offset >= offset, timeout)
 
     def checkpoint(self) -> None:
         """Make the derived logs durable up to the current end and record it."""
@@ -432,11 +445,20 @@ class LogStore:
         return len(removed)
 
     def _background_loop(self) -> None:
+        """Checkpoint every interval or every `checkpoint_bytes` appended, whichever comes first, so
+        recovery never has much to replay; clean every `clean_interval_s`."""
         next_clean = time.monotonic() + self.config.clean_interval_s
-        while not self._stop.wait(self.config.checkpoint_interval_s):
+        next_checkpoint = time.monotonic() + self.config.checkpoint_interval_s
+        last_offset = self.message_log.end_offset
+        while not self._stop.wait(BACKGROUND_TICK_S):
             try:
-                self.checkpoint()
-                if time.monotonic() >= next_clean:
+                now = time.monotonic()
+                grown = self.message_log.end_offset - last_offset
+                if now >= next_checkpoint or grown >= self.config.checkpoint_bytes:
+                    last_offset = self.message_log.end_offset
+                    self.checkpoint()
+                    next_checkpoint = now + self.config.checkpoint_interval_s
+                if now >= next_clean:
                     self.clean()
                     next_clean = time.monotonic() + self.config.clean_interval_s
             except Exception:
