@@ -10,7 +10,7 @@ from qmq.store.store import LogStore
 from qmq.store.verify import verify
 from tests.support.stores import SMALL, payload_for
 
-ROUNDS = 25
+ROUNDS = 50
 MAX_RECORDS_BEFORE_KILL = 3000
 
 
