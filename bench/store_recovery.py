@@ -69,7 +69,9 @@ def main() -> None:
         elapsed = time.perf_counter() - started
         replayed = store.recovery.replayed
         store.close()
-        print(f"{'cold' if args.cold else 'warm'} page cache: recovered {end / 1024**3:.2f} GiB ({records:,} records of 1 KiB, {args.subjects} subjects, "
+        cache = "cold" if args.cold else "warm"
+        print(f"{cache} page cache: recovered {end / 1024**3:.2f} GiB ({records:,} records of 1 KiB, "
+              f"{args.subjects} subjects, "
               f"{replayed:,} replayed after the checkpoint) in {elapsed:.2f} s "
               f"({end / 1e6 / elapsed:,.0f} MB/s, {replayed / elapsed:,.0f} records/s)")
     finally:

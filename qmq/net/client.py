@@ -1,0 +1,204 @@
+"""The blocking client, for code without an event loop (Django and Flask apps, scripts, workers).
+
+One `BlockingConnection` may be shared by any number of threads: each `request()` waits for its own
+reply while a background reader thread matches replies to waiters by request id. It makes the same
+promises as the asyncio client: the reply's body, or `RemoteError`, `TimeoutError` or
+`ConnectionError` (the connection is gone: every waiter fails at once, and so does every later
+request). A connection belongs to the process that opened it: after a fork, open a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from qmq.net.common import (
+    CONNECT_TIMEOUT_S,
+    READ_CHUNK_BYTES,
+    REQUEST_TIMEOUT_S,
+    connection_refused,
+    default_client_id,
+    fresh_copy,
+    resolve_token,
+)
+from qmq.protocol.connection import NEED_DATA, Connection, ErrorReply, Response, Role
+from qmq.protocol.errors import ProtocolError, RemoteError
+from qmq.protocol.limits import DEFAULT_LIMITS, Limits
+
+READER_JOIN_TIMEOUT_S = 5.0  # close() waits this long for the reader thread to end
+
+_Reply = Future[dict[str, Any] | None]
+
+
+class BlockingConnection:
+    """Open with `BlockingConnection.open(...)`; usable as a context manager.
+
+    Two locks, so that a thread blocked writing a large request never stops the reader thread from
+    taking replies off the socket (which could deadlock with a server that is itself blocked
+    writing): `_send_lock` keeps frames whole and in request-id order on the socket, `_state_lock`
+    guards the protocol state and the table of waiters and is only held for short, non-blocking work.
+    """
+
+    def __init__(self, sock: socket.socket, conn: Connection, address: str) -> None:
+        """Use `open()`; this only wires the parts together."""
+        self.address = address
+        self.server_info: dict[str, Any] = {}  # the handshake reply: version, max_frame_bytes
+        self._sock = sock
+        self._conn = conn
+        self._pid = os.getpid()
+        self._send_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._pending: dict[int, _Reply] = {}
+        self._closed: ConnectionError | None = None
+        self._reader = threading.Thread(target=self._read_loop, name=f"qmq-reader-{address}", daemon=True)
+
+    @classmethod
+    def open(
+        cls,
+        host: str,
+        port: int,
+        *,
+        client_id: str | None = None,
+        token: str | None = None,
+        timeout: float = CONNECT_TIMEOUT_S,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> BlockingConnection:
+        """Connect and handshake. `token` defaults to `$QMQ_TOKEN`. Raises `RemoteError` when the
+        server refuses the handshake (UNAUTHORIZED, UNSUPPORTED_VERSION, ...), `TimeoutError`, or
+        `OSError` when nothing listens."""
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # the reader thread blocks in recv(); waits are bounded per request
+        conn = Connection(
+            Role.CLIENT, limits=limits, token=resolve_token(token), client_id=client_id or default_client_id()
+        )
+        self = cls(sock, conn, f"{host}:{port}")
+        self._reader.start()
+        try:
+            request_id, future = self._submit(handshake=True)
+            assert future is not None
+            self.server_info = self._wait(request_id, future, timeout) or {}
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def request(
+        self, code: int, body: dict[str, Any] | None = None, timeout: float = REQUEST_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """Send a request and wait for the reply's body ({} for an empty one). Thread-safe."""
+        request_id, future = self._submit(code, body)
+        assert future is not None
+        return self._wait(request_id, future, timeout) or {}
+
+    def send_oneway(self, code: int, body: dict[str, Any] | None = None) -> None:
+        """Send a request that gets no reply, not even an error. Thread-safe."""
+        self._submit(code, body, oneway=True)
+
+    def close(self) -> None:
+        """Close the connection; requests in flight fail with ConnectionError. Idempotent."""
+        if os.getpid() != self._pid:  # a forked copy: only drop the descriptor, the parent still uses it
+            self._sock.close()
+            return
+        self._lose(ConnectionError(f"connection to {self.address} was closed by this client"))
+        if threading.current_thread() is not self._reader and self._reader.is_alive():
+            self._reader.join(READER_JOIN_TIMEOUT_S)
+        self._sock.close()
+
+    def __enter__(self) -> BlockingConnection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _submit(
+        self,
+        code: int = 0,
+        body: dict[str, Any] | None = None,
+        *,
+        oneway: bool = False,
+        handshake: bool = False,
+    ) -> tuple[int, _Reply | None]:
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"this connection belongs to process {self._pid}; open a new one after a fork")
+        future: _Reply | None = None if oneway else Future()
+        with self._send_lock:
+            with self._state_lock:
+                if self._closed is not None:
+                    raise ConnectionError(str(self._closed))
+                if handshake:
+                    request_id, data = self._conn.start_handshake()
+                else:
+                    request_id, data = self._conn.send_request(code, body, oneway=oneway)
+                if future is not None:
+                    self._pending[request_id] = future
+            try:
+                self._sock.sendall(data)
+            except OSError as exc:
+                # The stream may hold half a frame now: the connection cannot be used any more.
+                error = ConnectionError(f"connection to {self.address} was lost: {exc}")
+                self._lose(error)
+                raise fresh_copy(error) from exc
+        return request_id, future
+
+    def _wait(self, request_id: int, future: _Reply, timeout: float) -> dict[str, Any] | None:
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            with self._state_lock:
+                still_waiting = self._pending.pop(request_id, None) is not None
+                if still_waiting:
+                    self._conn.abandon(request_id)
+            if not still_waiting:  # the reader (or close) took it a moment ago and is about to set it
+                return future.result()
+            raise TimeoutError(f"no reply from {self.address} within {timeout:g} s") from None
+
+    def _read_loop(self) -> None:
+        error = ConnectionError(f"connection to {self.address} was closed by the server")
+        try:
+            while data := self._sock.recv(READ_CHUNK_BYTES):
+                replies: list[tuple[_Reply, Response | ErrorReply]] = []
+                refused: ErrorReply | None = None
+                with self._state_lock:
+                    self._conn.receive_data(data)
+                    while (event := self._conn.next_event()) is not NEED_DATA:
+                        if isinstance(event, ErrorReply) and event.concerns_connection:
+                            refused = event
+                        elif isinstance(event, Response | ErrorReply):
+                            future = self._pending.pop(event.request_id, None)
+                            if future is not None:
+                                replies.append((future, event))
+                for future, event in replies:  # outside the lock: waking waiters runs no code of ours
+                    if isinstance(event, Response):
+                        future.set_result(event.body)
+                    else:
+                        future.set_exception(RemoteError(event.code, event.message))
+                if refused is not None:
+                    remote, error = connection_refused(self.address, refused)
+                    self._lose(error, remote)
+                    return
+        except ProtocolError as exc:
+            error = ConnectionError(f"{self.address} broke the protocol: {exc}")
+        except OSError as exc:
+            error = ConnectionError(f"connection to {self.address} was lost: {exc}")
+        self._lose(error)
+
+    def _lose(self, error: ConnectionError, cause: Exception | None = None) -> None:
+        """Mark the connection dead (keeping the first reason), shut the socket down, which wakes
+        the reader thread, and fail every waiter with `cause` or the reason."""
+        with self._state_lock:
+            if self._closed is None:
+                self._closed = error
+            pending, self._pending = self._pending, {}
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        for future in pending.values():
+            future.set_exception(fresh_copy(cause or self._closed))

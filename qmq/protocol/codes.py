@@ -1,0 +1,22 @@
+"""Request codes: the u16 in a frame header that says what a request asks for.
+
+Codes are stable on the wire: never renumber or reuse one. Ranges are reserved so that each server
+can add its own without colliding with the others:
+
+    1-99        the connection itself (handshake, ping)
+    100-199     broker (send, pull, ack, ...)
+    200-299     meta server (registration, routes, consumer groups, ...)
+    300-399     delay server
+    60000-65535 tests and experiments; never used by a shipped server
+
+Error frames carry header code 0 and put their `ErrorCode` in the body (see docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class RequestCode(IntEnum):
+    HANDSHAKE = 1  # body {"version", "client_id", "token"}; the first frame on every connection
+    PING = 2  # any body; a server answers with the same body

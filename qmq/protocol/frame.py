@@ -1,0 +1,198 @@
+"""Frames: the unit every qmq server and client exchange, and their encoder and incremental decoder.
+
+A frame is a 4-byte big-endian length (of what follows, not of itself), a 9-byte header
+(version u8, code u16, request id u32, flags u16) and a msgpack body that is a map or nil.
+This module does no I/O: bytes go in, `Frame`s or a `ProtocolError` come out.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntFlag
+from typing import Any
+
+import msgpack
+
+from qmq.protocol.errors import ErrorCode, ProtocolError
+from qmq.protocol.limits import DEFAULT_LIMITS, Limits
+
+PROTOCOL_VERSION = 1
+
+LENGTH = struct.Struct(">I")
+HEADER = struct.Struct(">BHIH")
+LENGTH_BYTES = LENGTH.size  # 4
+HEADER_BYTES = HEADER.size  # 9
+NIL_BODY = msgpack.packb(None)
+MAX_CODE = 0xFFFF
+MAX_REQUEST_ID = 0xFFFF_FFFF
+
+
+class Flags(IntFlag):
+    """Header flag bits. Any other bit set is a protocol error, so new bits need a new version."""
+
+    RESPONSE = 1  # a reply to the request with the same request id
+    ERROR = 2  # a reply whose body is {"code": ErrorCode, "message": str}; always with RESPONSE
+    ONEWAY = 4  # a request that expects no reply
+
+
+REQUEST = Flags(0)  # no bits: a request that expects a reply
+KNOWN_FLAGS = Flags.RESPONSE | Flags.ERROR | Flags.ONEWAY
+# The only meaningful combinations: a request, a one-way request, a reply, an error reply.
+VALID_FLAG_SETS = frozenset({REQUEST, Flags.ONEWAY, Flags.RESPONSE, Flags.RESPONSE | Flags.ERROR})
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One decoded frame. `body` is a dict or None; the decoder guarantees nothing else."""
+
+    code: int
+    request_id: int
+    flags: Flags
+    body: dict[str, Any] | None
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def is_response(self) -> bool:
+        return bool(self.flags & Flags.RESPONSE)
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self.flags & Flags.ERROR)
+
+    @property
+    def oneway(self) -> bool:
+        return bool(self.flags & Flags.ONEWAY)
+
+
+def encode_frame(
+    code: int,
+    request_id: int,
+    body: dict[str, Any] | None = None,
+    flags: Flags = REQUEST,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+) -> bytes:
+    """Return the bytes of one frame.
+
+    Raises a non-fatal `ProtocolError(FRAME_TOO_LARGE)` when the frame would exceed
+    `limits.max_frame_bytes` (nothing was sent, the connection is still good), `ValueError` for a
+    header field out of range or a body that is not a dict or None, and `TypeError` for a body
+    msgpack cannot encode: those last two are the caller's bugs, not the peer's.
+    """
+    if not 0 <= code <= MAX_CODE:
+        raise ValueError(f"code {code} is not a u16")
+    if not 0 <= request_id <= MAX_REQUEST_ID:
+        raise ValueError(f"request id {request_id} is not a u32")
+    if flags not in VALID_FLAG_SETS:
+        raise ValueError(f"flags {flags!r} are not a valid combination")
+    if body is not None and not isinstance(body, dict):
+        raise ValueError(f"a body must be a dict or None, not {type(body).__name__}")
+    payload = NIL_BODY if body is None else msgpack.packb(body, use_bin_type=True)
+    length = HEADER_BYTES + len(payload)
+    if length > limits.max_frame_bytes:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE,
+            f"frame would be {length} bytes, the limit is {limits.max_frame_bytes}",
+            fatal=False,
+        )
+    return LENGTH.pack(length) + HEADER.pack(PROTOCOL_VERSION, code, request_id, int(flags)) + payload
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed in a body")
+
+
+def decode_body(payload: bytes, max_len: int) -> dict[str, Any] | None:
+    """Decode a frame body; any failure becomes `ProtocolError(BAD_BODY)`.
+
+    Map keys must be strings or bytes (msgpack's strict_map_key), extension types are refused, and
+    no string, bin, array or map may claim more than `max_len` elements, so a small body cannot make
+    the decoder allocate much.
+    """
+    try:
+        body = msgpack.unpackb(
+            payload,
+            raw=False,
+            ext_hook=_refuse_ext,
+            max_str_len=max_len,
+            max_bin_len=max_len,
+            max_array_len=max_len,
+            max_map_len=max_len,
+            max_ext_len=max_len,
+        )
+    except Exception as exc:  # unpackb raises many types (ExtraData, FormatError, StackError, ...)
+        raise ProtocolError(ErrorCode.BAD_BODY, f"body is not valid msgpack: {exc!r}") from exc
+    if body is not None and not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.BAD_BODY, f"body must be a map or nil, not {type(body).__name__}")
+    return body
+
+
+class FrameDecoder:
+    """Incremental decoder: `feed()` bytes as they arrive, then call `next_frame()` until it
+    returns None (more bytes needed).
+
+    Promises: every call returns a `Frame`, None, or raises `ProtocolError`; each call either
+    consumes a whole frame or returns/raises without consuming, so a loop over `next_frame()`
+    always ends. The length field is checked against `limits.max_frame_bytes` as soon as its four
+    bytes are in, and the header as soon as its nine are, before any body is waited for. After an
+    error the decoder is broken for good: the byte stream can no longer be trusted, and every
+    later call raises the same error.
+    """
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self._limits = limits
+        self._buffer = bytearray()
+        self._error: ProtocolError | None = None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received but not yet returned as frames."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._error is None:
+            self._buffer += data
+
+    def next_frame(self) -> Frame | None:
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._next_frame()
+        except ProtocolError as exc:
+            self._error = exc
+            self._buffer.clear()
+            raise
+
+    def _next_frame(self) -> Frame | None:
+        buffer = self._buffer
+        if len(buffer) < LENGTH_BYTES:
+            return None
+        (length,) = LENGTH.unpack_from(buffer, 0)
+        if length > self._limits.max_frame_bytes:
+            raise ProtocolError(
+                ErrorCode.FRAME_TOO_LARGE,
+                f"frame announces {length} bytes, the limit is {self._limits.max_frame_bytes}",
+            )
+        if length < HEADER_BYTES:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"frame length {length} is shorter than the header")
+        if len(buffer) < LENGTH_BYTES + HEADER_BYTES:
+            return None
+        version, code, request_id, raw_flags = HEADER.unpack_from(buffer, LENGTH_BYTES)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"frame version {version}, this peer speaks version {PROTOCOL_VERSION}",
+            )
+        if raw_flags & ~int(KNOWN_FLAGS):
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"undefined flag bits 0x{raw_flags:04x}")
+        flags = Flags(raw_flags)
+        if flags not in VALID_FLAG_SETS:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"flags {flags!r} are not a valid combination")
+        end = LENGTH_BYTES + length
+        if len(buffer) < end:
+            return None
+        payload = bytes(buffer[LENGTH_BYTES + HEADER_BYTES : end])
+        del buffer[:end]  # consumed even if the body is bad: the decoder is broken by then anyway
+        body = decode_body(payload, length)
+        return Frame(code=code, request_id=request_id, flags=flags, body=body, version=version)
