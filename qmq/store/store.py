@@ -203,16 +203,21 @@ class LogStore:
 
     def append(self, messages: Sequence[Message]) -> list[Appended]:
         """Append a batch; all or nothing. In sync flush mode the batch is durable only once
-        `wait_durable(result[-1].end)` / `await durable(...)` returns. This is the hot path."""
+        `wait_durable(result[-1].end)` / `await durable(...)` returns.
+
+        This is the hot path: one pass encodes each record and derives its consume-log entry and index
+        entries at the offset it will get, then one write stores the batch."""
         with self._lock:
             self._check_writable()
             now = time.time_ns() // 1_000_000
             next_seq = self._next_seq
             subject_bytes = self._subject_bytes
-            first: dict[str, int] = {}  # subject -> its first sequence in this batch
-            seqs = []
+            position = self.message_log.end_offset
+            runs: dict[str, tuple[int, list[bytes]]] = {}  # subject -> (first seq in batch, entries)
             encoded = []
-            hashes = []
+            results = []
+            index_pairs = []
+            encode, pack, key_hash, message = rec.encode, pack_entry, rec.key_hash, rec.Attr.MESSAGE
             try:
                 for m in messages:
                     subject = m.subject
@@ -223,37 +228,34 @@ class LogStore:
                         raise StoreError(f"message id must be 1-{MAX_MESSAGE_ID_LEN} bytes and key at most "
                                          f"{MAX_KEY_LEN} bytes (message id {m.message_id!r})")
                     seq = next_seq.get(subject, 0)
-                    if subject not in first:
-                        first[subject] = seq
                     next_seq[subject] = seq + 1
-                    seqs.append(seq)
-                    encoded.append(rec.encode(rec.Attr.MESSAGE, m.flags, now, seq, subject_b, message_id, key,
-                                              _encode_tags(m.tags) if m.tags else b"", m.payload))
-                    hashes.append((rec.key_hash(message_id), rec.key_hash(key, subject_b) if key else 0))
+                    run = runs.get(subject)
+                    if run is None:
+                        runs[subject] = run = (seq, [])
+                    tags = m.tags
+                    data = encode(message, m.flags, now, seq, subject_b, message_id, key,
+                                  _encode_tags(tags) if tags else b"", m.payload)
+                    size = len(data)
+                    encoded.append(data)
+                    results.append(Appended(position, seq, position + size))
+                    run[1].append(pack(position, size, rec.tag_mask(tags) if tags else 0, now))
+                    index_pairs.append((key_hash(message_id), position))
+                    if key:
+                        index_pairs.append((key_hash(key, subject_b), position))
+                    position += size
             except Exception as exc:
-                _rewind(next_seq, first)
+                _rewind(next_seq, {subject: run[0] for subject, run in runs.items()})
                 if isinstance(exc, StoreError | ProtocolError):
                     raise
                 raise StoreError(f"bad message in batch: {exc}") from exc
             try:
-                offsets = self.message_log.append(encoded)
+                self.message_log.append(encoded)  # offsets are continuous across segments: as computed
             except OSError as exc:  # disk full, I/O error: a partial record may be on disk
                 self._failed = exc
                 log.critical("message log append failed, the store is read-only until reopened: %s", exc)
                 raise StoreError(f"append failed: {exc}") from exc
-            results = []
-            runs: dict[str, list[bytes]] = {subject: [] for subject in first}
-            index_pairs = []
-            for m, offset, seq, data, (id_hash, key_hash) in zip(messages, offsets, seqs, encoded, hashes,
-                                                                  strict=True):
-                size = len(data)
-                results.append(Appended(offset, seq, offset + size))
-                runs[m.subject].append(pack_entry(offset, size, rec.tag_mask(m.tags) if m.tags else 0, now))
-                index_pairs.append((id_hash, offset))
-                if key_hash:
-                    index_pairs.append((key_hash, offset))
-            for subject, entries in runs.items():
-                self._consume_log(subject).write(first[subject], b"".join(entries))
+            for subject, (first, entries) in runs.items():
+                self._consume_log(subject).write(first, b"".join(entries))
             self.index.add(index_pairs)
         return results
 
