@@ -8,7 +8,9 @@ from __future__ import annotations
 import click
 
 from qmq import __version__
+from qmq.cli.db import db
 from qmq.cli.log import log
+from qmq.cli.meta import meta
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "QMQ"})
@@ -18,3 +20,5 @@ def main() -> None:
 
 
 main.add_command(log)
+main.add_command(meta)
+main.add_command(db)

@@ -20,3 +20,11 @@ from enum import IntEnum
 class RequestCode(IntEnum):
     HANDSHAKE = 1  # body {"version", "client_id", "token"}; the first frame on every connection
     PING = 2  # any body; a server answers with the same body
+
+    # Meta server (see docs/meta.md for the bodies).
+    META_REGISTER = 200  # {"kind", "group", "address": "host:port"} -> {"heartbeat_interval_s", "read_only"}
+    META_HEARTBEAT = 201  # same body and reply as META_REGISTER; an unknown server is registered
+    META_UNREGISTER = 202  # {"address"} -> {"unregistered": bool}; a clean shutdown, unavailable at once
+    META_ROUTE = 203  # {"subject", "create": bool} -> {"subject", "groups": [...], "delay_servers": [...]}
+    META_SET_READ_ONLY = 204  # {"group", "read_only": bool} -> {"group", "read_only", "changed"}
+    META_LIST = 205  # {} -> {"groups", "servers", "routes", ...}: everything, for admins and tests
