@@ -96,14 +96,17 @@ class LogStore:
     """Open with `LogStore(data_dir, config)`; close with `close()` (or use as a context manager)."""
 
     def __init__(self, data_dir: str | os.PathLike, config: StoreConfig | None = None) -> None:
-        self.config = config or StoreConfig()
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_directory(self.data_dir)
-        self.config = _fixed_format(self.data_dir, self.config)
+        try:
+            self.config = _fixed_format(self.data_dir, config or StoreConfig())
+            self.message_log = MessageLog(self.data_dir / "messagelog", self.config.segment_bytes)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._lock = threading.RLock()
         self._closed = False
-        self.message_log = MessageLog(self.data_dir / "messagelog", self.config.segment_bytes)
         self._consume_dir = self.data_dir / "consumelog"
         self._checkpoint_dir = self.data_dir / "checkpoint"
         self._next_seq: dict[str, int] = {}
