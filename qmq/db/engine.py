@@ -1,0 +1,36 @@
+"""Engines for qmq's own tables, configured the same way by every qmq server and command.
+
+Promises: a pooled connection that died with its database (restart, failover, network cut) is
+noticed before use and replaced (`pool_pre_ping`), so a server recovers by itself once the database
+is back; connecting to an unreachable PostgreSQL fails within CONNECT_TIMEOUT_S instead of hanging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from qmq.db.url import normalize_url
+
+CONNECT_TIMEOUT_S = 5  # PostgreSQL connect timeout (libpq takes whole seconds)
+SQLITE_BUSY_TIMEOUT_S = 10.0  # how long a SQLite writer waits for another writer's lock
+
+
+def create_engine(url: str, **kwargs: Any) -> Engine:
+    """An Engine for `url` (normalised first). Extra keyword arguments go to `sqlalchemy.create_engine`."""
+    url = normalize_url(url)
+    backend = sa.engine.make_url(url).get_backend_name()
+    connect_args: dict[str, Any] = dict(kwargs.pop("connect_args", {}))
+    if backend == "postgresql":
+        connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
+    elif backend == "sqlite":
+        connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_S)
+    kwargs.setdefault("pool_pre_ping", True)
+    return sa.create_engine(url, connect_args=connect_args, **kwargs)
+
+
+def safe_url(engine: Engine) -> str:
+    """The engine's URL for logs and messages, password hidden."""
+    return engine.url.render_as_string(hide_password=True)

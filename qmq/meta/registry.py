@@ -1,0 +1,361 @@
+"""The meta server's state logic over a SQLAlchemy Engine: registration, heartbeats, liveness, read-only
+flags and subject routes. No sockets here, so it can be tested and reused (an embedded dev cluster)
+on its own; `qmq.meta.server` puts it on the wire.
+
+Liveness: a server is available while its last heartbeat is at most `unavailable_after_s` old (by
+the meta server's clock, which also wrote the heartbeat time) and it has not unregistered. A broker
+group is available while at least one of its servers is; it is writable when also not read-only.
+
+Routes only grow. A producer's request (create=True) makes sure the subject has `route_groups`
+writable groups: when it has fewer (a new subject, too few groups existed when it was created, or
+some of its groups became unavailable or read-only), writable groups it does not have yet are added,
+those carrying the fewest subjects first (ties by name). Groups are never taken off a route, so
+consumers, who ask with create=False, always get every group that may still hold the subject's
+messages and can drain them.
+
+All methods are blocking (database round trips): call them off the event loop. Database errors
+(sqlalchemy.exc.OperationalError and friends) propagate; the caller decides what to answer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from qmq.meta import schema
+from qmq.meta.schema import as_utc
+
+HEARTBEAT_INTERVAL_S = 10  # how often brokers and delay servers are asked to heartbeat
+UNAVAILABLE_AFTER_S = 30  # a server silent for longer than this is unavailable
+DEFAULT_ROUTE_GROUPS = 2  # writable broker groups a producer's subject is kept on
+WRITE_ATTEMPTS = 3  # a write that lost a race with another meta server (unique key) is retried
+
+Kind = Literal["broker", "delay"]
+T = TypeVar("T")
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class UnknownGroup(LookupError):
+    """The request names a broker group that never registered."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown broker group {name!r}: no broker of that group has registered")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class ServerState:
+    address: str
+    kind: str
+    group: str | None
+    available: bool
+    registered_at: datetime
+    last_heartbeat_at: datetime
+    unregistered_at: datetime | None
+
+    def to_wire(self, now: datetime) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "kind": self.kind,
+            "group": self.group,
+            "available": self.available,
+            "registered_at": self.registered_at.isoformat(),
+            "last_heartbeat_at": self.last_heartbeat_at.isoformat(),
+            "heartbeat_age_s": round((now - self.last_heartbeat_at).total_seconds(), 3),
+            "unregistered_at": self.unregistered_at.isoformat() if self.unregistered_at else None,
+        }
+
+
+@dataclass(frozen=True)
+class GroupState:
+    name: str
+    read_only: bool
+    available: bool
+    addresses: tuple[str, ...]  # live servers; every known server when none is live
+    subjects: int  # how many subjects are routed to the group
+
+    @property
+    def writable(self) -> bool:
+        return self.available and not self.read_only
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "addresses": list(self.addresses),
+            "available": self.available,
+            "read_only": self.read_only,
+        }
+
+
+@dataclass(frozen=True)
+class Registration:
+    """The outcome of a heartbeat. `event` says what changed, for the log: "registered" (a server
+    never seen before), "available again" (after silence or unregistering), "moved" (a new group or
+    kind for a known address) or None (a routine heartbeat)."""
+
+    address: str
+    kind: str
+    group: str | None
+    read_only: bool
+    event: str | None
+    group_created: bool
+
+
+@dataclass(frozen=True)
+class Route:
+    subject: str
+    groups: tuple[GroupState, ...]  # in the order they were given to the subject
+    delay_servers: tuple[ServerState, ...]
+    added: tuple[str, ...] = field(default=())  # groups this request added to the route
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "subject": self.subject,
+            "groups": [g.to_wire() for g in self.groups],
+            "delay_servers": [{"address": s.address, "available": s.available} for s in self.delay_servers],
+        }
+
+
+class Registry:
+    """The meta state in the tables of qmq.meta.schema. Thread-safe; several meta servers may share
+    one database (a write that races another is retried)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        unavailable_after_s: float = UNAVAILABLE_AFTER_S,
+        route_groups: int = DEFAULT_ROUTE_GROUPS,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        """`clock` returns the current time as an aware datetime; tests may pass their own."""
+        if unavailable_after_s <= 0:
+            raise ValueError("unavailable_after_s must be positive")
+        if route_groups < 1:
+            raise ValueError("route_groups must be at least 1")
+        self.engine = engine
+        self.unavailable_after = timedelta(seconds=unavailable_after_s)
+        self.route_groups = route_groups
+        self.clock = clock
+        self._route_lock = threading.Lock()  # one route extension at a time in this process
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def heartbeat(self, address: str, kind: Kind, group: str | None) -> Registration:
+        """Record a registration or heartbeat of the server at `address` (a heartbeat from an unknown
+        server registers it). Brokers name their `group`, which is created on first sight; delay
+        servers belong to no group."""
+        if kind == "broker" and not group:
+            raise ValueError("a broker must name its group")
+        group = group if kind == "broker" else None
+        now = self.clock()
+
+        def write(conn: Connection) -> Registration:
+            read_only, group_created = False, False
+            if group is not None:
+                row = conn.execute(sa.select(schema.group.c.read_only).where(schema.group.c.name == group)).first()
+                if row is None:
+                    conn.execute(
+                        schema.group.insert().values(name=group, read_only=False, created_at=now, updated_at=now)
+                    )
+                    group_created = True
+                else:
+                    read_only = bool(row.read_only)
+            old = conn.execute(sa.select(schema.server).where(schema.server.c.address == address)).first()
+            if old is None:
+                conn.execute(
+                    schema.server.insert().values(
+                        address=address, kind=kind, group_name=group, registered_at=now, last_heartbeat_at=now
+                    )
+                )
+                event: str | None = "registered"
+            else:
+                if (old.kind, old.group_name) != (kind, group):
+                    event = "moved"
+                elif not self._alive(old, now):
+                    event = "available again"
+                else:
+                    event = None
+                values: dict[str, Any] = {
+                    "kind": kind, "group_name": group, "last_heartbeat_at": now, "unregistered_at": None
+                }
+                if event is not None:
+                    values["registered_at"] = now
+                conn.execute(schema.server.update().where(schema.server.c.address == address).values(**values))
+            return Registration(address, kind, group, read_only, event, group_created)
+
+        return self._write(write)
+
+    def unregister(self, address: str) -> bool:
+        """A clean shutdown: the server is unavailable at once (its next heartbeat brings it back).
+        Returns False for an address never registered."""
+        now = self.clock()
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                schema.server.update().where(schema.server.c.address == address).values(unregistered_at=now)
+            )
+            return result.rowcount > 0
+
+    def set_read_only(self, group: str, read_only: bool) -> bool:
+        """Set a group's read-only flag; returns whether it changed. Raises UnknownGroup."""
+        now = self.clock()
+        with self.engine.begin() as conn:
+            row = conn.execute(sa.select(schema.group.c.read_only).where(schema.group.c.name == group)).first()
+            if row is None:
+                raise UnknownGroup(group)
+            if bool(row.read_only) == read_only:
+                return False
+            conn.execute(
+                schema.group.update().where(schema.group.c.name == group).values(read_only=read_only, updated_at=now)
+            )
+            return True
+
+    def route(self, subject: str, *, create: bool) -> Route:
+        """The subject's route. With `create` (producers) it is first topped up to `route_groups`
+        writable groups when it has fewer and enough exist (see the module docstring)."""
+        added: tuple[str, ...] = ()
+        if create:
+            with self._route_lock:
+                added = self._write(lambda conn: self._extend_route(conn, subject, self.clock()))
+        now = self.clock()
+        with self.engine.connect() as conn:
+            groups = self._groups(conn, now)
+            names = self._route_names(conn, subject)
+            delay = tuple(s for s in self._servers(conn, now) if s.kind == "delay")
+        return Route(subject, tuple(groups[n] for n in names if n in groups), delay, added)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def servers(self) -> list[ServerState]:
+        """Every server ever registered, by address."""
+        now = self.clock()
+        with self.engine.connect() as conn:
+            return self._servers(conn, now)
+
+    def groups(self) -> list[GroupState]:
+        """Every broker group, by name."""
+        now = self.clock()
+        with self.engine.connect() as conn:
+            return list(self._groups(conn, now).values())
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, for META_LIST (admins, tests): groups, servers and routes, plus the timing."""
+        now = self.clock()
+        with self.engine.connect() as conn:
+            groups = self._groups(conn, now)
+            servers = self._servers(conn, now)
+            rows = conn.execute(
+                sa.select(schema.route.c.subject, schema.route.c.group_name).order_by(
+                    schema.route.c.subject, schema.route.c.position
+                )
+            ).all()
+        routes: dict[str, list[str]] = {}
+        for row in rows:
+            routes.setdefault(row.subject, []).append(row.group_name)
+        return {
+            "now": now.isoformat(),
+            "heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
+            "unavailable_after_s": self.unavailable_after.total_seconds(),
+            "route_groups": self.route_groups,
+            "groups": [{**g.to_wire(), "subjects": g.subjects} for g in groups.values()],
+            "servers": [s.to_wire(now) for s in servers],
+            "routes": [{"subject": subject, "groups": names} for subject, names in routes.items()],
+        }
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _alive(self, row: Any, now: datetime) -> bool:
+        if row.unregistered_at is not None:
+            return False
+        # A heartbeat time in the future (another meta server's clock is ahead) counts as fresh.
+        return now - as_utc(row.last_heartbeat_at) <= self.unavailable_after
+
+    def _write(self, fn: Callable[[Connection], T]) -> T:
+        """Run `fn` in a transaction; retry when it lost an insert race to another process."""
+        for attempt in range(WRITE_ATTEMPTS):
+            try:
+                with self.engine.begin() as conn:
+                    return fn(conn)
+            except sa.exc.IntegrityError:
+                if attempt == WRITE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _servers(self, conn: Connection, now: datetime) -> list[ServerState]:
+        rows = conn.execute(sa.select(schema.server).order_by(schema.server.c.address)).all()
+        return [
+            ServerState(
+                address=row.address,
+                kind=row.kind,
+                group=row.group_name,
+                available=self._alive(row, now),
+                registered_at=as_utc(row.registered_at),
+                last_heartbeat_at=as_utc(row.last_heartbeat_at),
+                unregistered_at=as_utc(row.unregistered_at) if row.unregistered_at is not None else None,
+            )
+            for row in rows
+        ]
+
+    def _groups(self, conn: Connection, now: datetime) -> dict[str, GroupState]:
+        servers = [s for s in self._servers(conn, now) if s.kind == "broker"]
+        counts = dict(
+            conn.execute(
+                sa.select(schema.route.c.group_name, sa.func.count()).group_by(schema.route.c.group_name)
+            ).all()
+        )
+        result: dict[str, GroupState] = {}
+        for row in conn.execute(sa.select(schema.group).order_by(schema.group.c.name)).all():
+            members = [s for s in servers if s.group == row.name]
+            live = tuple(s.address for s in members if s.available)
+            result[row.name] = GroupState(
+                name=row.name,
+                read_only=bool(row.read_only),
+                available=bool(live),
+                addresses=live or tuple(s.address for s in members),
+                subjects=int(counts.get(row.name, 0)),
+            )
+        return result
+
+    def _route_names(self, conn: Connection, subject: str) -> list[str]:
+        return list(
+            conn.execute(
+                sa.select(schema.route.c.group_name)
+                .where(schema.route.c.subject == subject)
+                .order_by(schema.route.c.position, schema.route.c.group_name)
+            ).scalars()
+        )
+
+    def _extend_route(self, conn: Connection, subject: str, now: datetime) -> tuple[str, ...]:
+        groups = self._groups(conn, now)
+        current = self._route_names(conn, subject)
+        writable = [n for n in current if n in groups and groups[n].writable]
+        missing = self.route_groups - len(writable)
+        if missing <= 0:
+            return ()
+        candidates = sorted(
+            (g for g in groups.values() if g.writable and g.name not in current), key=lambda g: (g.subjects, g.name)
+        )[:missing]
+        if not candidates:
+            return ()
+        position = conn.execute(
+            sa.select(sa.func.coalesce(sa.func.max(schema.route.c.position) + 1, 0)).where(
+                schema.route.c.subject == subject
+            )
+        ).scalar_one()
+        conn.execute(
+            schema.route.insert(),
+            [
+                {"subject": subject, "group_name": g.name, "position": position + i, "created_at": now}
+                for i, g in enumerate(candidates)
+            ],
+        )
+        return tuple(g.name for g in candidates)

@@ -1,0 +1,59 @@
+"""The meta server's tables as SQLAlchemy Core objects. They must match the Alembic revisions in
+migrations/versions/ (tests/test_migrations.py compares them); change both together.
+
+Every timestamp is written by the meta server from its own clock, in UTC. SQLite hands them back
+without a zone: `as_utc` puts it back.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+
+NAME_LEN = 200  # group names and subjects (the same as qmq.protocol.limits.MAX_SUBJECT_LEN)
+ADDRESS_LEN = 300  # "host:port"
+KINDS = ("broker", "delay")
+
+metadata = sa.MetaData()
+
+group = sa.Table(
+    "qmq_meta_group",
+    metadata,
+    sa.Column("name", sa.String(NAME_LEN), primary_key=True),
+    sa.Column("read_only", sa.Boolean(), nullable=False, server_default=sa.false()),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+server = sa.Table(
+    "qmq_meta_server",
+    metadata,
+    sa.Column("address", sa.String(ADDRESS_LEN), primary_key=True),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("group_name", sa.String(NAME_LEN), sa.ForeignKey("qmq_meta_group.name"), nullable=True),
+    sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("last_heartbeat_at", sa.DateTime(timezone=True), nullable=False),
+    # Set by a clean shutdown (META_UNREGISTER): unavailable at once; cleared by the next heartbeat.
+    sa.Column("unregistered_at", sa.DateTime(timezone=True), nullable=True),
+    sa.CheckConstraint("kind IN ('broker', 'delay')", name="ck_qmq_meta_server_kind"),
+)
+sa.Index("ix_qmq_meta_server_group_name", server.c.group_name)
+
+route = sa.Table(
+    "qmq_meta_route",
+    metadata,
+    sa.Column("subject", sa.String(NAME_LEN), primary_key=True),
+    sa.Column("group_name", sa.String(NAME_LEN), sa.ForeignKey("qmq_meta_group.name"), primary_key=True),
+    # The order groups were given to the subject in (0, 1, ...): replies list them in this order.
+    sa.Column("position", sa.Integer(), nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+)
+sa.Index("ix_qmq_meta_route_group_name", route.c.group_name)
+
+
+def as_utc(value: datetime) -> datetime:
+    """`value` as an aware UTC datetime (SQLite returns naive ones, which qmq always wrote in UTC)."""
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)

@@ -1,0 +1,323 @@
+"""The meta server on the wire: the request handler over a `Registry`, a liveness sweep that logs
+servers and groups going unavailable, Prometheus metrics, and `run()`, the `qmq meta` process.
+
+Promises: a request body that is missing a field or has a bad one gets a BAD_REQUEST (or
+BAD_SUBJECT) error frame and the connection stays usable; a database that cannot be reached gets an
+UNAVAILABLE error frame naming the cause, and the server serves again as soon as the database is
+back; SIGTERM (or SIGINT) closes the server and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from prometheus_client import Counter, Gauge, start_http_server
+
+from qmq.db.engine import create_engine, safe_url
+from qmq.db.migrate import upgrade
+from qmq.meta.registry import (
+    HEARTBEAT_INTERVAL_S,
+    UNAVAILABLE_AFTER_S,
+    Kind,
+    Registry,
+    UnknownGroup,
+)
+from qmq.meta.schema import ADDRESS_LEN, KINDS, NAME_LEN
+from qmq.net.server import PeerInfo, Server
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.connection import Request
+from qmq.protocol.errors import ErrorCode, ProtocolError
+from qmq.protocol.limits import validate_subject
+
+log = logging.getLogger("qmq.meta")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 20880
+MAX_SWEEP_INTERVAL_S = 1.0  # the liveness sweep runs at least this often (more often for short timeouts)
+GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
+
+T = TypeVar("T")
+
+REQUESTS = Counter("qmq_meta_requests_total", "Requests handled by the meta server", ["request"])
+ERRORS = Counter("qmq_meta_request_errors_total", "Requests answered with an error frame", ["request", "error"])
+SERVERS = Gauge("qmq_meta_servers", "Registered servers", ["kind", "state"])
+GROUPS = Gauge("qmq_meta_groups", "Broker groups", ["state"])
+ROUTES = Gauge("qmq_meta_route_groups", "Subject-to-group route entries")
+DB_UP = Gauge("qmq_meta_database_up", "1 while the meta database answers, 0 after an error reaching it")
+
+# Errors that mean "the database is not reachable right now", as opposed to a bug in a query.
+_DB_DOWN_ERRORS = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message, fatal=False)
+
+
+def _field(body: dict[str, Any], name: str, type_: type, what: str) -> Any:
+    if name not in body:
+        raise _bad(f"missing field {name!r} ({what})")
+    value = body[name]
+    if not isinstance(value, type_) or (type_ is int and isinstance(value, bool)):
+        raise _bad(f"field {name!r} must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _group_name(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise _bad("field 'group' must be a non-empty string")
+    if len(value) > NAME_LEN or not GROUP_RE.fullmatch(value):
+        raise _bad(
+            f"group {value!r} must be 1-{NAME_LEN} letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return value
+
+
+def _address(value: object) -> str:
+    """A server's `host:port`, as clients will connect to it."""
+    if not isinstance(value, str) or not value:
+        raise _bad("field 'address' must be a non-empty 'host:port' string")
+    host, _, port = value.rpartition(":")
+    if len(value) > ADDRESS_LEN or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _bad(f"address {value!r} is not 'host:port' with a port from 1 to 65535")
+    return value
+
+
+def _body(request: Request) -> dict[str, Any]:
+    if request.body is None:
+        return {}
+    if not isinstance(request.body, dict):
+        raise _bad("the request body must be a map")
+    return request.body
+
+
+class MetaService:
+    """The request handler (`handle`) and the liveness sweep (`sweep_forever`) over one Registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._db_ok = True
+        self._live_servers: set[str] | None = None  # None until the first sweep
+        self._live_groups: set[str] | None = None
+        self._handlers: dict[int, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            RequestCode.META_REGISTER: self._register,
+            RequestCode.META_HEARTBEAT: self._register,
+            RequestCode.META_UNREGISTER: self._unregister,
+            RequestCode.META_ROUTE: self._route,
+            RequestCode.META_SET_READ_ONLY: self._set_read_only,
+            RequestCode.META_LIST: self._list,
+        }
+
+    async def handle(self, request: Request, peer: PeerInfo) -> dict[str, Any] | None:
+        try:
+            name = RequestCode(request.code).name
+        except ValueError:
+            name = "unknown"
+        REQUESTS.labels(name).inc()
+        try:
+            if request.code == RequestCode.PING:
+                return request.body
+            handler = self._handlers.get(request.code)
+            if handler is None:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_REQUEST, f"the meta server has no request code {request.code}", fatal=False
+                )
+            return await handler(_body(request))
+        except ProtocolError as exc:
+            ERRORS.labels(name, exc.code.name).inc()
+            if exc.code == ErrorCode.BAD_REQUEST:
+                log.debug("bad request %s from %s: %s", name, peer, exc.message)
+            raise
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def _register(self, body: dict[str, Any]) -> dict[str, Any]:
+        kind = _field(body, "kind", str, f"one of {', '.join(KINDS)}")
+        if kind not in KINDS:
+            raise _bad(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+        address = _address(body.get("address"))
+        group = _group_name(body.get("group")) if kind == "broker" else None
+        reg = await self._db(self.registry.heartbeat, address, _kind(kind), group)
+        if reg.group_created:
+            log.info("group %s created", reg.group)
+        if reg.event is not None:
+            where = f" in group {reg.group}" if reg.group else ""
+            log.info("%s %s%s %s", reg.kind, reg.address, where, reg.event)
+        if self._live_servers is not None:
+            self._live_servers.add(address)
+        return {"heartbeat_interval_s": HEARTBEAT_INTERVAL_S, "read_only": reg.read_only}
+
+    async def _unregister(self, body: dict[str, Any]) -> dict[str, Any]:
+        address = _address(body.get("address"))
+        known = await self._db(self.registry.unregister, address)
+        if known:
+            log.info("server %s unregistered (clean shutdown): unavailable", address)
+            if self._live_servers is not None:
+                self._live_servers.discard(address)
+        return {"unregistered": known}
+
+    async def _route(self, body: dict[str, Any]) -> dict[str, Any]:
+        if "subject" not in body:
+            raise _bad("missing field 'subject'")
+        subject = validate_subject(body["subject"])
+        create = body.get("create", False)
+        if not isinstance(create, bool):
+            raise _bad(f"field 'create' must be a boolean, got {type(create).__name__}")
+        route = await self._db(self.registry.route, subject, create=create)
+        if route.added:
+            all_groups = [g.name for g in route.groups]
+            how = "created" if len(all_groups) == len(route.added) else "extended"
+            log.info("route %s %s: groups %s (added %s)", subject, how, ", ".join(all_groups), ", ".join(route.added))
+        return route.to_wire()
+
+    async def _set_read_only(self, body: dict[str, Any]) -> dict[str, Any]:
+        group = _group_name(body.get("group"))
+        read_only = _field(body, "read_only", bool, "a boolean")
+        try:
+            changed = await self._db(self.registry.set_read_only, group, read_only)
+        except UnknownGroup as exc:
+            raise _bad(str(exc)) from None
+        if changed:
+            log.info("group %s is now %s", group, "read-only" if read_only else "writable")
+        return {"group": group, "read_only": read_only, "changed": changed}
+
+    async def _list(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._db(self.registry.snapshot)
+
+    # -- database access ------------------------------------------------------------------------
+
+    async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking registry call in a worker thread; a database that cannot be reached becomes
+        an UNAVAILABLE error frame (logged once per outage)."""
+        try:
+            result = await asyncio.to_thread(fn, *args, **kwargs)
+        except _DB_DOWN_ERRORS as exc:
+            cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            self._db_down(cause)
+            raise ProtocolError(
+                ErrorCode.UNAVAILABLE, f"the meta server's database is unavailable: {cause}", fatal=False
+            ) from None
+        self._db_up()
+        return result
+
+    def _db_down(self, cause: str) -> None:
+        DB_UP.set(0)
+        if self._db_ok:
+            self._db_ok = False
+            log.error("database unavailable: %s", cause)
+
+    def _db_up(self) -> None:
+        DB_UP.set(1)
+        if not self._db_ok:
+            self._db_ok = True
+            log.info("database reachable again")
+
+    # -- liveness sweep -------------------------------------------------------------------------
+
+    async def sweep_forever(self, interval_s: float) -> None:
+        """Every `interval_s`: log servers and groups that became unavailable (or groups available
+        again) and refresh the gauges. Replies never wait for this: they compute liveness themselves."""
+        while True:
+            await self.sweep()
+            await asyncio.sleep(interval_s)  # a period, not a wait for an event
+
+    async def sweep(self) -> None:
+        try:
+            servers, groups, route_entries = await self._db(self._read_state)
+        except ProtocolError:  # the database is down: logged by _db, try again next time
+            return
+        except Exception:
+            log.exception("liveness sweep failed")
+            return
+        live_servers = {s.address for s in servers if s.available}
+        live_groups = {g.name for g in groups if g.available}
+        if self._live_servers is not None and self._live_groups is not None:
+            for s in servers:
+                if s.address in self._live_servers and not s.available:
+                    timeout_s = self.registry.unavailable_after.total_seconds()
+                    why = "unregistered" if s.unregistered_at else f"no heartbeat for {timeout_s:g} s"
+                    where = f" in group {s.group}" if s.group else ""
+                    log.warning("%s %s%s became unavailable: %s", s.kind, s.address, where, why)
+            for g in groups:
+                if g.name in self._live_groups and not g.available:
+                    log.warning("group %s became unavailable: none of its servers is alive", g.name)
+                elif g.name not in self._live_groups and g.available:
+                    log.info("group %s is available", g.name)
+        self._live_servers, self._live_groups = live_servers, live_groups
+        for kind in KINDS:
+            SERVERS.labels(kind, "available").set(sum(1 for s in servers if s.kind == kind and s.available))
+            SERVERS.labels(kind, "unavailable").set(sum(1 for s in servers if s.kind == kind and not s.available))
+        GROUPS.labels("writable").set(sum(1 for g in groups if g.writable))
+        GROUPS.labels("read_only").set(sum(1 for g in groups if g.available and g.read_only))
+        GROUPS.labels("unavailable").set(sum(1 for g in groups if not g.available))
+        ROUTES.set(route_entries)
+
+    def _read_state(self) -> tuple[list, list, int]:
+        groups = self.registry.groups()
+        return self.registry.servers(), groups, sum(g.subjects for g in groups)
+
+
+def _kind(value: str) -> Kind:
+    return "broker" if value == "broker" else "delay"
+
+
+async def serve_meta(
+    db_url: str,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    token: str | None = None,
+    heartbeat_timeout_s: float = UNAVAILABLE_AFTER_S,
+    metrics_port: int | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Migrate the database, serve until `stop` is set (or SIGTERM/SIGINT when `stop` is None), then
+    close every connection and the engine."""
+    revision = await asyncio.to_thread(upgrade, db_url)
+    engine = create_engine(db_url)
+    log.info("database %s at revision %s", safe_url(engine), revision)
+    service = MetaService(Registry(engine, unavailable_after_s=heartbeat_timeout_s))
+    loop = asyncio.get_running_loop()
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    if metrics_port is not None:
+        started = start_http_server(metrics_port, addr=host)
+        if isinstance(started, tuple):  # prometheus-client >= 0.19 returns (server, thread): the real port
+            metrics_port = started[0].server_port
+        log.info("metrics on http://%s:%d/metrics", host, metrics_port)
+    server = Server(service.handle, host=host, port=port, token=token)
+    await server.start()
+    log.info(
+        "meta server ready on %s:%d (heartbeat every %d s, unavailable after %g s)",
+        host, server.port, HEARTBEAT_INTERVAL_S, heartbeat_timeout_s,
+    )
+    sweeper = asyncio.create_task(service.sweep_forever(min(MAX_SWEEP_INTERVAL_S, heartbeat_timeout_s / 4)))
+    try:
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        await server.close()
+        await asyncio.to_thread(engine.dispose)
+    log.info("meta server stopped")
+
+
+def run(db_url: str, **kwargs: Any) -> None:
+    """The `qmq meta` process: `serve_meta` on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve_meta(db_url, **kwargs))
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve_meta(db_url, **kwargs))
