@@ -166,3 +166,16 @@ def test_damaged_consume_log_is_rebuilt_by_repair(tmp_path):
     with LogStore(tmp_path, REPAIR) as store:
         assert ids_in(store) == set(written)
     assert verify(tmp_path).ok
+
+
+def test_damaged_index_file_refuses_then_is_rebuilt_by_repair(tmp_path):
+    written = fill(tmp_path)
+    index_file = sorted((tmp_path / "index").iterdir())[-1]
+    os.truncate(index_file, 0)
+    (tmp_path / "index" / "00000000000000999999.tmp").write_bytes(b"half made")  # a crash mid-creation
+    with pytest.raises(ValueError, match="repair"):
+        LogStore(tmp_path, SMALL)
+    with LogStore(tmp_path, REPAIR) as store:
+        some = sorted(written)[100]
+        assert store.find_by_id(some).message_id == some
+    assert not list((tmp_path / "index").glob("*.tmp"))

@@ -2,6 +2,7 @@
 random moments, many times. After each reopen every reported record must be there, byte for byte,
 the derived logs must agree with the message log, and `qmq log verify` must pass."""
 
+import os
 import random
 import subprocess
 import sys
@@ -55,10 +56,9 @@ def check_store(data_dir, reported):
 
 
 def test_sigkill_during_sync_appends_loses_nothing_reported(processes, tmp_path):
-    rng = random.Random()
-    seed = rng.randrange(1 << 30)
-    rng.seed(seed)
-    print(f"seed {seed}")
+    seed = int(os.environ.get("QMQ_TEST_SEED") or random.randrange(1 << 30))
+    rng = random.Random(seed)
+    print(f"seed {seed} (QMQ_TEST_SEED={seed} replays the same kill points, timing allowing)")
     data_dir = tmp_path / "store"
     reported = []
     for round_no in range(ROUNDS):

@@ -23,6 +23,7 @@ SLOT = struct.Struct(">I")  # entry number + 1; 0 = empty
 ENTRY = struct.Struct(">QQI")  # hash, message-log offset, previous entry number + 1
 DEFAULT_SLOTS = 1 << 22  # 16 MiB of slots
 DEFAULT_CAPACITY = 1 << 24  # 320 MiB of entries, allocated sparsely
+TMP_SUFFIX = ".tmp"
 MAX_CHAIN = 1 << 16  # a chain longer than this is corruption, not load
 
 
@@ -30,15 +31,15 @@ class IndexFile:
     def __init__(self, path: Path, base: int, slots: int, capacity: int, *, create: bool) -> None:
         self.path = path
         self.base = base
-        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
         if create:
-            os.ftruncate(self.fd, HEADER_SIZE + slots * SLOT.size + capacity * ENTRY.size)
-        self.mm = mmap.mmap(self.fd, 0)
-        if create:
-            HEADER.pack_into(self.mm, 0, FILE_MAGIC, slots, capacity, 0, 0)
-        magic, self.slots, self.capacity, self.count, self.last_offset = HEADER.unpack_from(self.mm, 0)
-        if magic != FILE_MAGIC:
-            raise ValueError(f"{path}: not an index file")
+            _create(path, slots, capacity)
+        self.fd = os.open(path, os.O_RDWR)
+        self.mm = mmap.mmap(self.fd, 0) if os.fstat(self.fd).st_size >= HEADER_SIZE else None
+        if self.mm is None or HEADER.unpack_from(self.mm, 0)[0] != FILE_MAGIC:
+            self.close()
+            raise ValueError(f"{path}: not a key-index file; open the store with repair to rebuild the "
+                             f"derived logs from the message log")
+        _magic, self.slots, self.capacity, self.count, self.last_offset = HEADER.unpack_from(self.mm, 0)
         self.entries_at = HEADER_SIZE + self.slots * SLOT.size
 
     @property
@@ -91,8 +92,23 @@ class IndexFile:
         HEADER.pack_into(mm, 0, FILE_MAGIC, self.slots, self.capacity, self.count, self.last_offset)
 
     def close(self) -> None:
-        self.mm.close()
+        if self.mm is not None:
+            self.mm.close()
         os.close(self.fd)
+
+
+def _create(path: Path, slots: int, capacity: int) -> None:
+    """Make a sized, initialised index file under a temporary name, then rename it into place, so a
+    crash never leaves a half-made index file behind (only a `.tmp` that the next open removes)."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, HEADER_SIZE + slots * SLOT.size + capacity * ENTRY.size)
+        os.pwrite(fd, HEADER.pack(FILE_MAGIC, slots, capacity, 0, 0), 0)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
 
 
 class KeyIndex:
@@ -103,6 +119,8 @@ class KeyIndex:
         self.slots = slots
         self.capacity = capacity
         directory.mkdir(parents=True, exist_ok=True)
+        for leftover in directory.glob("*" + TMP_SUFFIX):
+            leftover.unlink()
         self.files = [IndexFile(p, base, slots, capacity, create=False) for base, p in list_segments(directory)]
         self._dirty: set[IndexFile] = set()
 
@@ -113,7 +131,6 @@ class KeyIndex:
                 base = pairs[done][1]
                 self.files.append(IndexFile(self.directory / segment_name(base), base, self.slots,
                                             self.capacity, create=True))
-                fsync_dir(self.directory)
             done += self.files[-1].add(pairs, done)
             self._dirty.add(self.files[-1])
 

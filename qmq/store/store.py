@@ -34,6 +34,7 @@ from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS,
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
+from qmq.store.segment import fsync_dir
 
 log = logging.getLogger("qmq.store")
 
@@ -193,6 +194,11 @@ class LogStore:
                                  quarantine=self.data_dir / "quarantine", report=report)
 
     def _reset_derived(self) -> None:
+        """Delete the derived logs to rebuild them. The checkpoint goes first, so a crash half-way
+        through leads to another rebuild rather than trust in half-deleted files."""
+        (self._checkpoint_dir / ckpt.FILE_NAME).unlink(missing_ok=True)
+        if self._checkpoint_dir.exists():
+            fsync_dir(self._checkpoint_dir)
         if self.index is not None:
             self.index.close()
             self.index = None
