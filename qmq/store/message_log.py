@@ -113,15 +113,6 @@ class MessageLog:
         except rec.RecordError as exc:
             raise rec.RecordError(offset, f"{segment.path}: {exc.reason}") from None
 
-    def scan(self, start: int, end: int | None = None) -> Iterator[rec.Record]:
-        """Valid records from `start` (a record boundary) up to `end`; raises `RecordError` on a bad one."""
-        for segment in list(self.segments):
-            if segment.end <= start:
-                continue
-            yield from scan_segment(segment, max(start, segment.base), end)
-            if end is not None and segment.end >= end:
-                return
-
     def remove_segments_before(self, offset: int) -> list[Segment]:
         """Drop (and delete) whole segments that end at or before `offset`; never the active one."""
         removed = []
