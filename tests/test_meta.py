@@ -18,7 +18,7 @@ import pytest
 from qmq.net.client import BlockingConnection
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
-from tests.support.databases import fresh_database, set_connections_allowed
+from tests.support.databases import fresh_database, set_connections_allowed, sqlite_or_postgres
 from tests.support.processes import ProcessManager, free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,11 +81,8 @@ def sqlite_url(tmp_path) -> str:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def any_db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'meta.sqlite3'}"
-    else:
-        with fresh_database(request.getfixturevalue("pg_url")) as url:
-            yield url
+    with sqlite_or_postgres(request.param, request, tmp_path, "meta.sqlite3") as url:
+        yield url
 
 
 # -- registration and routes --------------------------------------------------------------------------

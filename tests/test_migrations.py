@@ -18,7 +18,7 @@ from qmq.db.engine import create_engine
 from qmq.db.migrate import QMQ_VERSION_TABLE, exclude_qmq_tables, head_revision
 from qmq.db.url import normalize_url
 from qmq.meta import schema
-from tests.support.databases import fresh_database
+from tests.support.databases import sqlite_or_postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 QMQ_TABLES = {"qmq_meta_group", "qmq_meta_server", "qmq_meta_route", QMQ_VERSION_TABLE}
@@ -34,11 +34,8 @@ def qmq_db(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'app.sqlite3'}"
-    else:
-        with fresh_database(request.getfixturevalue("pg_url")) as url:
-            yield url
+    with sqlite_or_postgres(request.param, request, tmp_path, "app.sqlite3") as url:
+        yield url
 
 
 def make_host_app_tables(url: str) -> None:

@@ -354,6 +354,7 @@ class LogStore:
             batch = self.entries(subject, seq, min(max_scan - scanned, 256))
             if not batch:
                 break
+            wanted_entries = []
             for entry in batch:
                 seq += 1
                 scanned += 1
@@ -361,7 +362,11 @@ class LogStore:
                     continue
                 if wanted and not _mask_matches(entry.tag_mask, wanted, match_all):
                     continue
-                record = self.message_log.read_record(entry.offset, entry.size)
+                wanted_entries.append(entry)
+                if len(wanted_entries) >= max_count - len(records):
+                    break
+            spans = [(e.offset, e.size) for e in wanted_entries]
+            for entry, record in zip(wanted_entries, self.message_log.read_records(spans), strict=True):
                 if record.is_blank:
                     continue
                 if record.subject != subject or record.seq != entry.seq:
@@ -370,8 +375,6 @@ class LogStore:
                 if tags and not _tags_match(record.tags, tags, match_all):
                     continue
                 records.append(record)
-                if len(records) >= max_count:
-                    break
         return ReadResult(records, seq)
 
     def read_record(self, offset: int) -> rec.Record:

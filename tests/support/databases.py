@@ -29,6 +29,17 @@ def fresh_database(pg_url: str) -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@contextlib.contextmanager
+def sqlite_or_postgres(kind: str, request, tmp_path, name: str) -> Iterator[str]:
+    """The URL of an empty database of `kind` ("sqlite" or "postgresql") for one test; for fixtures
+    parametrized over both."""
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp_path / name}"
+    else:
+        with fresh_database(request.getfixturevalue("pg_url")) as url:
+            yield url
+
+
 def set_connections_allowed(url: str, allowed: bool) -> None:
     """Take the database of `url` away (no new connections, the open ones killed) or bring it back:
     to its clients this looks like a database server that went down and came back up."""
