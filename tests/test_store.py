@@ -195,3 +195,26 @@ def test_durable_can_be_awaited_from_asyncio(tmp_path):
             return store.flusher.durable_offset >= max(r[0].end for r in results)
 
     assert asyncio.run(main())
+
+
+def test_similar_keys_spread_over_the_index_buckets(tmp_path):
+    """Look-ups stay bounded only if ids that differ in a digit land in different buckets."""
+    from qmq.store import record as rec
+    from qmq.store.index import KeyIndex
+
+    index = KeyIndex(tmp_path, slots=256, capacity=8192)
+    ids = [f"01JDX7Q3ZP4Y8N2K5M{i:08d}".encode() for i in range(4096)]
+    index.add([(rec.key_hash(mid), i) for i, mid in enumerate(ids)])
+    f = index.files[0]
+    chains = []
+    for slot in range(f.slots):
+        number = int.from_bytes(f.mm[64 + slot * 4:68 + slot * 4], "big")
+        length = 0
+        while number:
+            length += 1
+            number = int.from_bytes(f.mm[f.entries_at + (number - 1) * 20 + 16:f.entries_at + number * 20], "big")
+        chains.append(length)
+    assert sum(chains) == 4096
+    assert max(chains) <= 3 * 4096 // 256  # average 16
+    assert all(index.find(rec.key_hash(mid)) == [i] for i, mid in enumerate(ids[:200]))
+    index.close()

@@ -179,3 +179,27 @@ def test_damaged_index_file_refuses_then_is_rebuilt_by_repair(tmp_path):
         some = sorted(written)[100]
         assert store.find_by_id(some).message_id == some
     assert not list((tmp_path / "index").glob("*.tmp"))
+
+
+def test_index_entries_written_past_the_header_count_are_undone(tmp_path):
+    """A crash inside a batch of index inserts (entries and bucket heads written, the header's count
+    not yet) followed by a torn tail: the buckets must not point past the count, or older entries in
+    them become unreachable. Found by the crash test."""
+    from qmq.store import checkpoint as ckpt
+    from qmq.store import index
+
+    with LogStore(tmp_path, SMALL) as store:
+        store.append_durable([Message("s", f"early-{i}", b"x") for i in range(500)])
+        store.checkpoint()
+        saved = ckpt.load(tmp_path / "checkpoint")
+        results = store.append_durable([Message("s", f"late-{i}", b"x") for i in range(200)])
+        last = store.index.files[-1]
+        index.HEADER.pack_into(last.mm, 0, index.FILE_MAGIC, last.slots, last.capacity, last.count - 190,
+                               last.last_offset)  # the header lags the entries, as after a SIGKILL
+    ckpt.save(tmp_path / "checkpoint", saved)
+    active = segment_files(tmp_path)[-1]
+    os.truncate(active, results[10].offset - int(active.name) + 5)  # and all but 10 late records torn
+    with LogStore(tmp_path, SMALL) as store:
+        assert [i for i in range(500) if store.find_by_id(f"early-{i}") is None] == []
+        assert all(store.find_by_id(f"late-{i}") is not None for i in range(10))
+        assert store.find_by_id("late-40") is None

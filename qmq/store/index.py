@@ -53,7 +53,7 @@ class IndexFile:
         room = self.capacity - n
         taken = pairs[start:start + room]
         for h, offset in taken:
-            slot_at = HEADER_SIZE + (h % slots) * SLOT.size
+            slot_at = HEADER_SIZE + ((h >> 32) % slots) * SLOT.size
             prev = SLOT.unpack_from(mm, slot_at)[0]
             ENTRY.pack_into(mm, entries_at + n * ENTRY.size, h, offset, prev)
             n += 1
@@ -68,7 +68,7 @@ class IndexFile:
         """Offsets of entries with hash `h`, newest first."""
         out = []
         mm = self.mm
-        number = SLOT.unpack_from(mm, HEADER_SIZE + (h % self.slots) * SLOT.size)[0]
+        number = SLOT.unpack_from(mm, HEADER_SIZE + ((h >> 32) % self.slots) * SLOT.size)[0]
         steps = 0
         while number and number <= self.count and steps < MAX_CHAIN:
             eh, offset, prev = ENTRY.unpack_from(mm, self.entries_at + (number - 1) * ENTRY.size)
@@ -81,14 +81,22 @@ class IndexFile:
         return out
 
     def undo_to(self, count: int) -> None:
-        """Forget entries at or after `count`, newest first, restoring each bucket's previous head."""
+        """Forget entries at or after `count`, newest first, restoring each bucket's previous head and
+        zeroing the entry. Entries a crash left written past the header's count (a batch is counted
+        only at its end) are found and undone too, or their buckets would point past the count."""
         mm = self.mm
-        for number in range(self.count, count, -1):
-            h, _offset, prev = ENTRY.unpack_from(mm, self.entries_at + (number - 1) * ENTRY.size)
-            slot_at = HEADER_SIZE + (h % self.slots) * SLOT.size
+        written = self.count
+        while written < self.capacity and any(ENTRY.unpack_from(mm, self.entries_at + written * ENTRY.size)):
+            written += 1
+        blank = bytes(ENTRY.size)
+        for number in range(written, count, -1):
+            at = self.entries_at + (number - 1) * ENTRY.size
+            h, _offset, prev = ENTRY.unpack_from(mm, at)
+            slot_at = HEADER_SIZE + ((h >> 32) % self.slots) * SLOT.size
             if SLOT.unpack_from(mm, slot_at)[0] == number:
                 SLOT.pack_into(mm, slot_at, prev)
-        self.count = min(self.count, count)
+            mm[at:at + ENTRY.size] = blank
+        self.count = min(written, count)
         HEADER.pack_into(mm, 0, FILE_MAGIC, self.slots, self.capacity, self.count, self.last_offset)
 
     def close(self) -> None:
