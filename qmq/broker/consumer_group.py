@@ -73,11 +73,25 @@ class Consumer:
 
 
 class ConsumerGroup:
-    def __init__(self, subject: str, group: str, cursor: int = 0) -> None:
+    def __init__(self, subject: str, group: str, cursor: int = 0, broadcast: bool = False) -> None:
         self.subject = subject
         self.group = group
         self.cursor = cursor  # the next consume-log sequence no consumer of the group has been handed
+        self.broadcast = broadcast  # one consumer, with its own position: never released to others
         self.consumers: dict[str, Consumer] = {}
+
+    def to_state(self) -> dict:
+        """A msgpack-able copy, for snapshots (times last seen are not kept: after a restart every
+        consumer gets the whole timeout to come back)."""
+        return {"subject": self.subject, "group": self.group, "cursor": self.cursor, "broadcast": self.broadcast,
+                "consumers": {cid: c.pull_log.to_state() for cid, c in self.consumers.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict, now: float) -> ConsumerGroup:
+        group = cls(state["subject"], state["group"], int(state["cursor"]), bool(state["broadcast"]))
+        for cid, pull_log in state["consumers"].items():
+            group.consumers[cid] = Consumer(PullLog.from_state(pull_log), now)
+        return group
 
     def apply(self, action: Action) -> None:
         """Perform an action, live or replayed from the action log."""
@@ -134,7 +148,9 @@ class ConsumerGroup:
         journal and the consume-log sequences it gives back. Not applied: the broker first moves the
         messages to the retry subject, then applies the release, so a crash in between resends rather
         than loses."""
-        out = []
+        out: list[tuple[Release, list[int]]] = []
+        if self.broadcast:
+            return out
         for consumer_id, consumer in self.consumers.items():
             log = consumer.pull_log
             if log.unacked and now - consumer.last_seen >= timeout:

@@ -76,6 +76,18 @@ class PullLog:
             del self._runs[:drop]
             del self._firsts[:drop]
 
+    def to_state(self) -> list:
+        """A msgpack-able copy, for snapshots."""
+        return [self.pull_seq, self.ack_seq, [list(run) for run in self._runs]]
+
+    @classmethod
+    def from_state(cls, state: list) -> PullLog:
+        log = cls()
+        log.pull_seq, log.ack_seq = int(state[0]), int(state[1])
+        log._runs = [(int(p), int(s), int(n)) for p, s, n in state[2]]
+        log._firsts = [run[0] for run in log._runs]
+        return log
+
     def pending(self) -> list[int]:
         """Consume-log sequences handed out and not acknowledged, in pull order."""
         return self.lookup(self.ack_seq, self.pull_seq - 1) if self.unacked else []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from qmq import __version__
+from qmq.cli.broker import broker
 from qmq.cli.db import db
 from qmq.cli.log import log
 from qmq.cli.meta import meta
@@ -22,3 +23,4 @@ def main() -> None:
 main.add_command(log)
 main.add_command(meta)
 main.add_command(db)
+main.add_command(broker)

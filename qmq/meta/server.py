@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -34,14 +33,13 @@ from qmq.net.server import PeerInfo, Server
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.connection import Request
 from qmq.protocol.errors import ErrorCode, ProtocolError
-from qmq.protocol.limits import validate_subject
+from qmq.protocol.limits import GROUP_RE, validate_subject
 
 log = logging.getLogger("qmq.meta")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 20880
 MAX_SWEEP_INTERVAL_S = 1.0  # the liveness sweep runs at least this often (more often for short timeouts)
-GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
 
 T = TypeVar("T")
 

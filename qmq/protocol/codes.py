@@ -21,6 +21,17 @@ class RequestCode(IntEnum):
     HANDSHAKE = 1  # body {"version", "client_id", "token"}; the first frame on every connection
     PING = 2  # any body; a server answers with the same body
 
+    # Broker (see docs/broker.md for the bodies).
+    BROKER_SEND = 100  # {"messages": [{"id", "subject", "payload", "key", "tags"}]} -> {"stored", "rejected"}
+    BROKER_PULL = 101  # {"subject", "group", "consumer", "max", "wait_ms", ...} -> {"batches": [...]}
+    BROKER_ACK = 102  # {"acks": [[subject, group, consumer, last_pull], ...]} -> {}
+    BROKER_NACK = 103  # {"nacks": [{...}]} -> {"outcomes": [...]}: retry later or dead-letter
+    BROKER_HEARTBEAT = 104  # {"consumers": [[subject, group, consumer], ...]} -> {}
+    BROKER_RESET = 110  # {"subject", "group", "to": "earliest" | "latest" | seq} -> {"cursor"}
+    BROKER_DEAD_LIST = 111  # {"subject", "group", "from", "max"} -> {"messages", "next"}
+    BROKER_DEAD_REDRIVE = 112  # {"subject", "group"} -> {"redriven"}
+    BROKER_STATS = 113  # {} -> {"group", "read_only", "subjects", "groups"}
+
     # Meta server (see docs/meta.md for the bodies).
     META_REGISTER = 200  # {"kind", "group", "address": "host:port"} -> {"heartbeat_interval_s", "read_only"}
     META_HEARTBEAT = 201  # same body and reply as META_REGISTER; an unknown server is registered

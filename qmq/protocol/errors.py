@@ -20,6 +20,8 @@ class ErrorCode(IntEnum):
     BAD_REQUEST = 10  # well-formed, but a field is missing or out of range
     UNAVAILABLE = 11  # the server cannot serve this now (read-only, shutting down, store error)
     TIMEOUT = 12
+    READ_ONLY = 13  # this broker group takes no new messages now: send to another group
+    UNKNOWN_CONSUMER = 14  # an ack or nack for a subject, group or consumer this broker never served
     INTERNAL = 99
 
 

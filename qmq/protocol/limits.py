@@ -1,7 +1,8 @@
 """Named limits shared by the wire protocol and the store, with their defaults.
 
 A subject is what producers send to and consumers subscribe to. System subjects made by qmq itself
-(`%RETRY%subject%group`, `%DEAD%subject%group`) contain `%`, which users may not use.
+(`%RETRY%subject%group`, `%DEAD%subject%group`, the broker's `%ACTION%` journal) contain `%`, which
+users may not use.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ MAX_KEY_LEN = 256
 MAX_MESSAGE_ID_LEN = 64
 
 SUBJECT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
-SYSTEM_SUBJECT_RE = re.compile(r"%(RETRY|DEAD)%[A-Za-z0-9._\-]+%[A-Za-z0-9._\-]+")
+SYSTEM_SUBJECT_RE = re.compile(r"%(RETRY|DEAD)%[A-Za-z0-9._\-]+%[A-Za-z0-9._\-]+|%ACTION%")
+ACTION_SUBJECT = "%ACTION%"  # the broker's action journal (qmq/broker/journal.py)
+GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")  # broker groups and consumer groups
 TAG_RE = re.compile(r"[A-Za-z0-9._\-:]+")
 
 

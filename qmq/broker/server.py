@@ -1,0 +1,97 @@
+"""The `qmq broker` process: open the store, recover consumption state, serve, register with the meta
+server when one is given, and shut down cleanly on SIGTERM or SIGINT (a snapshot is written, the store
+checkpointed and closed; the process exits 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+from prometheus_client import start_http_server
+
+from qmq.broker import metrics
+from qmq.broker.service import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerService
+from qmq.meta.membership import Membership
+from qmq.net.server import Server
+from qmq.store.flush import FlushMode
+from qmq.store.store import LogStore, StoreConfig
+
+log = logging.getLogger("qmq.broker")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 20881
+
+
+async def serve_broker(
+    data_dir: str | Path,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    meta: str | None = None,
+    group: str | None = None,
+    advertise: str | None = None,
+    flush: str = "sync",
+    token: str | None = None,
+    metrics_port: int | None = None,
+    consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    store_config: StoreConfig | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    config = replace(store_config or StoreConfig(), flush=FlushMode(flush))
+    store = await asyncio.to_thread(LogStore, data_dir, config)
+    try:
+        service = BrokerService(store, consumer_timeout_s=consumer_timeout_s, max_attempts=max_attempts)
+        server = Server(service.handle, host=host, port=port, token=token)
+        await server.start()
+        address = advertise or f"{host}:{server.port}"
+        service.group_name = group or f"broker-{server.port}"
+        loop = asyncio.get_running_loop()
+        if stop is None:
+            stop = asyncio.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+        if metrics_port is not None:
+            started = start_http_server(metrics_port, addr=host)
+            if isinstance(started, tuple):
+                metrics_port = started[0].server_port
+            log.info("metrics on http://%s:%d/metrics", host, metrics_port)
+        service.start()
+        metrics.update(service)
+        membership = None
+        if meta:
+            membership = Membership(meta, kind="broker", group=service.group_name, address=address, token=token,
+                                    on_read_only=lambda ro: _set_read_only(service, ro))
+            membership.start()
+        log.info("broker group %s ready on %s (data %s, flush %s%s)", service.group_name, address, data_dir,
+                 flush, f", meta {meta}" if meta else ", no meta server")
+        await stop.wait()
+        log.info("shutting down")
+        if membership is not None:
+            await membership.close()
+        await server.close()
+        await service.close()
+    finally:
+        await asyncio.to_thread(store.close)
+    log.info("broker stopped")
+
+
+def _set_read_only(service: BrokerService, read_only: bool) -> None:
+    if read_only != service.read_only:
+        log.warning("broker group %s is now %s", service.group_name, "read-only" if read_only else "writable")
+    service.read_only = read_only
+
+
+def run(data_dir: str | Path, **kwargs) -> None:
+    """`serve_broker` on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve_broker(data_dir, **kwargs))
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve_broker(data_dir, **kwargs))

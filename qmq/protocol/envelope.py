@@ -1,0 +1,76 @@
+"""The envelope: what a qmq client puts in a message's payload, which brokers store without reading.
+
+It carries the body with its content type, the producer's headers and the creation time, so that a
+consumer gets back the object that was sent. Bodies are bytes (`application/octet-stream`), str
+(`text/plain; charset=utf-8`) or anything JSON can encode (`application/json`). A payload that is not
+an envelope (sent by a foreign client) decodes as raw bytes. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+import msgpack
+
+BYTES = "application/octet-stream"
+TEXT = "text/plain; charset=utf-8"
+JSON = "application/json"
+MARKER = "qmq1"  # the envelope's format version, under key "v"
+
+
+class Envelope(NamedTuple):
+    body: Any  # decoded by content type
+    content_type: str
+    headers: dict[str, str]
+    created_at: int | None  # ms since the epoch, by the producer's clock
+    raw: bytes  # the body's bytes as sent
+
+
+def encode_body(body: Any) -> tuple[bytes, str]:
+    """The bytes and content type for a body."""
+    if isinstance(body, bytes | bytearray | memoryview):
+        return bytes(body), BYTES
+    if isinstance(body, str):
+        return body.encode(), TEXT
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(), JSON
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"a message body must be bytes, str or JSON-serialisable: {exc}") from None
+
+
+def decode_body(raw: bytes, content_type: str) -> Any:
+    if content_type == JSON:
+        return json.loads(raw)
+    if content_type.startswith("text/"):
+        return raw.decode()
+    return raw
+
+
+def encode(body: Any, *, headers: dict[str, str] | None = None, created_at: int | None = None,
+           content_type: str | None = None) -> bytes:
+    """The payload for a message. `content_type` given means `body` is already bytes of that type."""
+    if content_type is None:
+        raw, content_type = encode_body(body)
+    else:
+        raw = bytes(body)
+    envelope = {"v": MARKER, "b": raw, "ct": content_type, "t": created_at}
+    if headers:
+        envelope["h"] = {str(k): str(v) for k, v in headers.items()}
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def decode(payload: bytes) -> Envelope:
+    """The envelope in a payload; a payload that is not one comes back as bytes."""
+    try:
+        envelope = msgpack.unpackb(payload, raw=False)
+    except Exception:
+        envelope = None
+    if not isinstance(envelope, dict) or envelope.get("v") != MARKER or not isinstance(envelope.get("b"), bytes):
+        return Envelope(payload, BYTES, {}, None, payload)
+    raw, content_type = envelope["b"], envelope.get("ct") or BYTES
+    try:
+        body = decode_body(raw, content_type)
+    except (ValueError, UnicodeDecodeError):
+        body, content_type = raw, BYTES
+    return Envelope(body, content_type, envelope.get("h") or {}, envelope.get("t"), raw)
