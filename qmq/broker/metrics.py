@@ -6,6 +6,7 @@ set from `BrokerService.stats()` by `update`, which the broker calls every few s
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
@@ -22,6 +23,17 @@ RETRYING = Gauge("qmq_broker_retrying", "Messages waiting for a retry or in the 
 DEAD = Gauge("qmq_broker_dead", "Dead letters not re-driven", ["subject", "group"])
 SUBJECT_MESSAGES = Gauge("qmq_broker_subject_messages", "Messages ever stored in the subject", ["subject"])
 READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only")
+
+
+@functools.cache
+def stored(subject: str):
+    """The labelled counter for `subject` (cached: labels() costs a lock and a lookup per call)."""
+    return STORED.labels(subject)
+
+
+@functools.cache
+def request(name: str):
+    return REQUESTS.labels(name)
 
 
 def update(service: BrokerService) -> None:

@@ -41,6 +41,7 @@ class AsyncConnection:
         self._pending: dict[int, asyncio.Future[dict[str, Any] | None]] = {}
         self._closed: ConnectionError | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._out: list[bytes] = []  # frames waiting for the end of this loop iteration
 
     @classmethod
     async def open(
@@ -87,7 +88,7 @@ class AsyncConnection:
         """Send a request that gets no reply, not even an error."""
         self._check_open()
         _, data = self._conn.send_request(code, body, oneway=True)
-        self._writer.write(data)
+        self._write(data)
         await self._writer.drain()
 
     async def close(self) -> None:
@@ -112,7 +113,7 @@ class AsyncConnection:
         future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            self._writer.write(data)
+            self._write(data)
             async with asyncio.timeout(timeout):
                 await self._writer.drain()
                 return await future
@@ -121,6 +122,18 @@ class AsyncConnection:
         finally:
             if self._pending.pop(request_id, None) is not None:  # timed out or cancelled: nobody waits
                 self._conn.abandon(request_id)
+
+    def _write(self, data: bytes) -> None:
+        """Queue a frame; frames queued in one loop iteration go out in one write (pipelined requests
+        made together cost one system call)."""
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(data)
+
+    def _flush(self) -> None:
+        if self._out and not self._writer.is_closing():
+            self._writer.write(b"".join(self._out) if len(self._out) > 1 else self._out[0])
+        self._out.clear()
 
     def _check_open(self) -> None:
         if self._closed is not None:

@@ -157,6 +157,7 @@ class _ServerConnection:
         self.tasks: set[asyncio.Task[None]] = set()
         self.requests = 0
         self.output_closed = False  # after write_eof() nothing more may be written
+        self.out: list[bytes] = []  # replies waiting for the end of this loop iteration
 
     async def run(self) -> None:
         reason = "closed by the peer"
@@ -180,6 +181,7 @@ class _ServerConnection:
             # Let the handlers still running finish: they may be half-way through work worth finishing;
             # their replies go nowhere if the peer is gone.
             await asyncio.gather(*self.tasks, return_exceptions=True)
+            self._flush()
             self.writer.close()
             with contextlib.suppress(OSError):
                 await self.writer.wait_closed()
@@ -235,6 +237,7 @@ class _ServerConnection:
             self._write(reply)
             if close_after:
                 log.warning("connection %s: fatal error on request code %d, closing", self.peer, request.code)
+                self._flush()
                 self.writer.close()
             with contextlib.suppress(OSError):
                 await self.writer.drain()
@@ -242,14 +245,23 @@ class _ServerConnection:
             self.slots.release()
 
     def _write(self, data: bytes) -> None:
-        if not (self.output_closed or self.writer.is_closing()):
-            self.writer.write(data)
+        """Queue `data`; what is queued goes out in one write at the end of this loop iteration, so
+        pipelined replies finished together cost one system call, not one each."""
+        if not self.out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.out.append(data)
+
+    def _flush(self) -> None:
+        if self.out and not (self.output_closed or self.writer.is_closing()):
+            self.writer.write(b"".join(self.out) if len(self.out) > 1 else self.out[0])
+        self.out.clear()
 
     async def _close_with_error(self, exc: ProtocolError) -> None:
         """Send the error frame, then read and drop the peer's input for a moment before closing:
         closing with unread input makes the kernel send RST, which can destroy the error frame in
         the peer's receive buffer before the peer reads it."""
         self._write(self.conn.send_error(CONNECTION_REQUEST_ID, exc.code, exc.message))
+        self._flush()
         with contextlib.suppress(OSError, TimeoutError):
             if self.writer.can_write_eof():
                 self.output_closed = True

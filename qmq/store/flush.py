@@ -24,7 +24,8 @@ log = logging.getLogger("qmq.store")
 
 DEFAULT_ASYNC_INTERVAL_MS = 500
 # Under load, wait this long after the previous fsync so more appends share the next one (PostgreSQL's
-# commit_delay). An idle store flushes at once, so a lone writer pays no delay.
+# commit_delay). "Under load" means a request arrived while the previous fsync ran; otherwise (an idle
+# store, or a trickle of messages) the flush starts at once, so a lone writer pays no delay.
 DEFAULT_COMMIT_WINDOW_MS = 1.0
 
 
@@ -54,6 +55,8 @@ class Flusher:
         self.error: BaseException | None = None
         self.syncs = 0  # fsync rounds so far, for metrics and benchmarks
         self._requested = 0  # highest offset someone waits for
+        self._syncing = False
+        self._busy = False  # a flush was requested while an fsync ran: use the commit window
         self._cond = threading.Condition()
         self._loops: dict[asyncio.AbstractEventLoop, _LoopWaiters] = {}
         self._stopping = False
@@ -67,6 +70,7 @@ class Flusher:
         with self._cond:
             if offset > self._requested:
                 self._requested = offset
+                self._busy = self._busy or self._syncing
                 self._cond.notify_all()
 
     def wait_durable(self, offset: int, timeout: float | None = None) -> None:
@@ -106,8 +110,9 @@ class Flusher:
                 elif not self._stopping:
                     self._cond.wait(self.interval_s)
                 stopping = self._stopping
+                busy, self._busy, self._syncing = self._busy, False, True
             since_last = time.monotonic() - last_sync
-            if self.mode is FlushMode.SYNC and since_last < self.commit_window_s and not stopping:
+            if self.mode is FlushMode.SYNC and busy and since_last < self.commit_window_s and not stopping:
                 time.sleep(self.commit_window_s - since_last)
             try:
                 end = self.message_log.sync()
@@ -117,6 +122,7 @@ class Flusher:
                 error = exc
             last_sync = time.monotonic()
             with self._cond:
+                self._syncing = False
                 self.syncs += 1
                 if error is None:
                     self.durable_offset = max(self.durable_offset, end)

@@ -1,0 +1,216 @@
+"""Broker throughput and latency, with the broker as a real `qmq broker` process and the load generator
+in this process, both on this machine (so they share its cores).
+
+    .venv/bin/python bench/broker.py                 # every case
+    .venv/bin/python bench/broker.py produce         # 1 KiB, batches of 64, sync flush
+    .venv/bin/python bench/broker.py produce-single  # one message per request, pipelined, 4 connections
+    .venv/bin/python bench/broker.py consume         # one group, batched pulls and prefix acks
+    .venv/bin/python bench/broker.py latency         # send to receipt at 1,000 msg/s: p50/p99
+
+Targets (issue 3): produce >= 100,000 msg/s; single-message pipelined >= 30,000 msg/s; consume >=
+100,000 msg/s; end-to-end p99 < 5 ms at 1,000 msg/s. A message counts as produced once the broker
+acknowledged it (durable, with sync flush), as consumed once its ack was answered. Prints one line
+per case; record the figures in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from qmq.net.aio_client import AsyncConnection
+from qmq.protocol.codes import RequestCode
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class BrokerProcess:
+    def __init__(self, flush: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-broker-"))
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "qmq", "broker", "--data-dir", str(self.dir / "data"), "--port", str(self.port),
+             "--flush", flush, "-l", "WARNING"], cwd=ROOT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex((HOST, self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError("the broker did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def messages(prefix: str, start: int, count: int, payload: bytes, subject: str = "bench") -> list[dict]:
+    return [{"id": f"{prefix}-{start + i:012d}", "subject": subject, "payload": payload} for i in range(count)]
+
+
+async def produce(port: int, total: int, batch: int, size: int, connections: int, inflight: int,
+                  subject: str = "bench") -> dict:
+    """`connections` connections, each with `inflight` requests of `batch` messages in flight."""
+    payload = os.urandom(size)
+    conns = [await AsyncConnection.open(HOST, port, client_id=f"bench-{i}") for i in range(connections)]
+    next_index = 0
+    latencies: list[float] = []
+
+    async def worker(conn: AsyncConnection) -> None:
+        nonlocal next_index
+        while next_index < total:
+            start = next_index
+            next_index += batch
+            body = {"messages": messages("m", start, batch, payload, subject)}
+            t0 = time.perf_counter()
+            reply = await conn.request(RequestCode.BROKER_SEND, body)
+            latencies.append(time.perf_counter() - t0)
+            assert reply["stored"] == batch, reply
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in conns for _ in range(inflight)))
+    elapsed = time.perf_counter() - t0
+    for c in conns:
+        await c.close()
+    latencies.sort()
+    return {"messages": next_index, "seconds": elapsed, "rate": next_index / elapsed,
+            "p50_ms": latencies[len(latencies) // 2] * 1000, "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000}
+
+
+async def consume(port: int, total: int, max_pull: int) -> dict:
+    conn = await AsyncConnection.open(HOST, port, client_id="bench-consumer")
+    pulled: dict[str, int] = {}
+    got = 0
+    t0 = time.perf_counter()
+    ack_task = None
+    while got < total:
+        reply = await conn.request(RequestCode.BROKER_PULL, {
+            "subject": "bench", "group": "bench", "consumer": "c1", "max": max_pull, "wait_ms": 1000,
+            "start": "earliest", "pulled": pulled})
+        acks = []
+        for b in reply["batches"]:
+            last = b["first_pull"] + len(b["messages"]) - 1
+            pulled[b["subject"]] = last
+            got += len(b["messages"])
+            acks.append([b["subject"], b["group"], "c1", last])
+        if ack_task is not None:
+            await ack_task
+        if acks:  # the ack of this batch travels while the next pull is served
+            ack_task = asyncio.create_task(conn.request(RequestCode.BROKER_ACK, {"acks": acks}))
+    if ack_task is not None:
+        await ack_task
+    elapsed = time.perf_counter() - t0
+    await conn.close()
+    return {"messages": got, "seconds": elapsed, "rate": got / elapsed}
+
+
+async def latency(port: int, rate: int, seconds: float, size: int) -> dict:
+    """Send one message every 1/rate s; a long-polling consumer records when each arrives."""
+    producer = await AsyncConnection.open(HOST, port, client_id="bench-producer")
+    consumer = await AsyncConnection.open(HOST, port, client_id="bench-consumer")
+    payload = os.urandom(size)
+    await consumer.request(RequestCode.BROKER_PULL, {"subject": "lat", "group": "lat", "consumer": "c",
+                                                     "wait_ms": 0})
+    total = int(rate * seconds)
+    sent_at: dict[str, float] = {}
+    delays: list[float] = []
+    pulled: dict[str, int] = {}
+
+    acks: list[asyncio.Task] = []
+
+    async def receive() -> None:
+        while len(delays) < total:
+            reply = await consumer.request(RequestCode.BROKER_PULL, {
+                "subject": "lat", "group": "lat", "consumer": "c", "max": 256, "wait_ms": 2500, "pulled": pulled})
+            now = time.perf_counter()
+            ranges = []
+            for b in reply["batches"]:
+                for m in b["messages"]:
+                    delays.append(now - sent_at[m["id"]])
+                last = b["first_pull"] + len(b["messages"]) - 1
+                pulled[b["subject"]] = last
+                ranges.append([b["subject"], b["group"], "c", last])
+            if ranges:
+                acks.append(asyncio.create_task(consumer.request(RequestCode.BROKER_ACK, {"acks": ranges})))
+
+    receiver = asyncio.create_task(receive())
+    t0 = time.perf_counter()
+    sends = []
+    for i in range(total):
+        due = t0 + i / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        message_id = f"lat-{i:09d}"
+        sent_at[message_id] = time.perf_counter()
+        sends.append(asyncio.create_task(producer.request(
+            RequestCode.BROKER_SEND, {"messages": [{"id": message_id, "subject": "lat", "payload": payload}]})))
+    await asyncio.gather(*sends)
+    await asyncio.wait_for(receiver, 30)
+    await asyncio.gather(*acks)
+    await producer.close()
+    await consumer.close()
+    delays.sort()
+    return {"messages": len(delays), "p50_ms": delays[len(delays) // 2] * 1000,
+            "p99_ms": delays[int(len(delays) * 0.99)] * 1000, "max_ms": delays[-1] * 1000}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("case", nargs="?", default="all",
+                        choices=["all", "produce", "produce-single", "consume", "latency"])
+    parser.add_argument("--flush", default="sync", choices=["sync", "async"])
+    parser.add_argument("--messages", type=int, default=300_000)
+    parser.add_argument("--size", type=int, default=1024)
+    args = parser.parse_args()
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, flush {args.flush}, "
+          f"{args.size} B messages")
+    cases = ["produce", "produce-single", "consume", "latency"] if args.case == "all" else [args.case]
+    for case in cases:
+        broker = BrokerProcess(args.flush)
+        try:
+            if case == "produce":
+                r = asyncio.run(produce(broker.port, args.messages, 64, args.size, connections=2, inflight=4))
+                print(f"produce        batch 64, 2 conns x 4 in flight: {r['rate']:>9,.0f} msg/s "
+                      f"(batch p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)")
+            elif case == "produce-single":
+                n = min(args.messages, 100_000)
+                r = asyncio.run(produce(broker.port, n, 1, args.size, connections=4, inflight=64))
+                print(f"produce-single 1 per request, 4 conns x 64 in flight: {r['rate']:>9,.0f} msg/s "
+                      f"(p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)")
+            elif case == "consume":
+                asyncio.run(produce(broker.port, args.messages, 64, args.size, connections=2, inflight=4))
+                r = asyncio.run(consume(broker.port, args.messages, 1024))
+                print(f"consume        one group, pulls of up to 1024:   {r['rate']:>9,.0f} msg/s")
+            elif case == "latency":
+                r = asyncio.run(latency(broker.port, 1000, 10, args.size))
+                print(f"latency        1,000 msg/s for 10 s: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
+                      f"max {r['max_ms']:.2f} ms")
+        finally:
+            broker.stop()
+
+
+if __name__ == "__main__":
+    main()
