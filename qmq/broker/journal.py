@@ -135,5 +135,5 @@ def decode(payload: bytes) -> list[Entry]:
     try:
         items = msgpack.unpackb(payload, raw=False, strict_map_key=False)
         return [_from_list(item) for item in items]
-    except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, LookupError, msgpack.UnpackException) as exc:
         raise ValueError(f"unreadable journal record: {exc}") from exc

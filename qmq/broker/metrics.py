@@ -11,18 +11,36 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge
 
+from qmq.metrics import new_registry
+
 if TYPE_CHECKING:
     from qmq.broker.service import BrokerService
 
-REQUESTS = Counter("qmq_broker_requests_total", "Requests handled by the broker", ["request"])
-ERRORS = Counter("qmq_broker_request_errors_total", "Requests answered with an error frame", ["request", "error"])
-STORED = Counter("qmq_broker_messages_stored_total", "Messages stored, by subject", ["subject"])
-BACKLOG = Gauge("qmq_broker_backlog", "Messages not yet handed to any consumer of the group", ["subject", "group"])
-IN_FLIGHT = Gauge("qmq_broker_in_flight", "Messages handed out and not acknowledged", ["subject", "group"])
-RETRYING = Gauge("qmq_broker_retrying", "Messages waiting for a retry or in the retry subject", ["subject", "group"])
-DEAD = Gauge("qmq_broker_dead", "Dead letters not re-driven", ["subject", "group"])
-SUBJECT_MESSAGES = Gauge("qmq_broker_subject_messages", "Messages ever stored in the subject", ["subject"])
-READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only")
+REGISTRY = new_registry()
+REQUESTS = Counter("qmq_broker_requests_total", "Requests handled by the broker", ["request"], registry=REGISTRY)
+ERRORS = Counter(
+    "qmq_broker_request_errors_total", "Requests answered with an error frame", ["request", "error"],
+    registry=REGISTRY,
+)
+STORED = Counter("qmq_broker_messages_stored_total", "Messages stored, by subject", ["subject"], registry=REGISTRY)
+BACKLOG = Gauge(
+    "qmq_broker_backlog", "Messages not yet handed to any consumer of the group", ["subject", "group"],
+    registry=REGISTRY,
+)
+IN_FLIGHT = Gauge(
+    "qmq_broker_in_flight", "Messages handed out and not acknowledged", ["subject", "group"],
+    registry=REGISTRY,
+)
+RETRYING = Gauge(
+    "qmq_broker_retrying", "Messages waiting for a retry or in the retry subject", ["subject", "group"],
+    registry=REGISTRY,
+)
+DEAD = Gauge("qmq_broker_dead", "Dead letters not re-driven", ["subject", "group"], registry=REGISTRY)
+SUBJECT_MESSAGES = Gauge(
+    "qmq_broker_subject_messages", "Messages ever stored in the subject", ["subject"],
+    registry=REGISTRY,
+)
+READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only", registry=REGISTRY)
 
 
 @functools.cache

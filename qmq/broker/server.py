@@ -11,8 +11,7 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-from prometheus_client import start_http_server
-
+from qmq import metrics as prometheus
 from qmq.broker import metrics
 from qmq.broker.service import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerService
 from qmq.meta.membership import Membership
@@ -56,9 +55,7 @@ async def serve_broker(
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
         if metrics_port is not None:
-            started = start_http_server(metrics_port, addr=host)
-            if isinstance(started, tuple):
-                metrics_port = started[0].server_port
+            metrics_port = prometheus.serve(metrics.REGISTRY, host, metrics_port)
             log.info("metrics on http://%s:%d/metrics", host, metrics_port)
         service.start()
         metrics.update(service)

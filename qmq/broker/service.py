@@ -364,7 +364,7 @@ class BrokerService:
         if not isinstance(item, dict):
             raise _bad("a message must be a map")
         subject = item.get("subject")
-        if subject not in self._valid_subjects:
+        if not isinstance(subject, str) or subject not in self._valid_subjects:
             validate_subject(subject, limits=self.limits)
             self._valid_subjects.add(subject)
         message_id = item.get("id")
@@ -397,6 +397,9 @@ class BrokerService:
         if start not in ("latest", "earliest"):
             raise _bad(f"start must be 'latest' or 'earliest', got {start!r}")
         pulled = _get(body, "pulled", dict, {})
+        for stored, last in pulled.items():
+            if not isinstance(stored, str) or not isinstance(last, int) or isinstance(last, bool):
+                raise _bad(f"pulled must map stored subjects to pull sequences, got {stored!r}: {last!r}")
         key = broadcast_key(group, consumer) if broadcast else group
         if len(retry_subject(subject, key)) > self.limits.max_subject_len:
             raise _bad(f"subject {subject!r} and group {key!r} together are too long for the retry subject "
@@ -424,10 +427,21 @@ class BrokerService:
     def _take(self, subject: str, key: str, consumer: str, max_count: int, tags: tuple[str, ...],
               match_all: bool, broadcast: bool, start: str, pulled: dict) -> tuple[list[dict], int | None]:
         """Hand `consumer` the next messages: due retries first, then the subject. Returns the batches
-        and the log offset to await before replying (None when nothing was journalled)."""
-        now = self.clock()
+        and the log offset to await before replying (None when nothing was journalled). Whatever was
+        applied is journalled, even when a read fails half-way."""
         entries: list[Entry] = []
         batches: list[dict] = []
+        try:
+            self._take_into(entries, batches, subject, key, consumer, max_count, tags, match_all, broadcast, start,
+                            pulled)
+        finally:
+            end = self._commit(entries) if entries else None
+        return batches, end
+
+    def _take_into(self, entries: list[Entry], batches: list[dict], subject: str, key: str, consumer: str,
+                   max_count: int, tags: tuple[str, ...], match_all: bool, broadcast: bool, start: str,
+                   pulled: dict) -> None:
+        now = self.clock()
         remaining = max_count
         retry = retry_subject(subject, key)
         for stored in (retry, subject):
@@ -451,10 +465,7 @@ class BrokerService:
                     fresh[record.seq] = record
                 return [r.seq for r in result.records], result.next_seq
 
-            client_pulled = pulled.get(stored, -1)
-            if not isinstance(client_pulled, int):
-                raise _bad(f"pulled[{stored!r}] must be an integer")
-            handed, action = group.pull(consumer, client_pulled, remaining, read, now)
+            handed, action = group.pull(consumer, pulled.get(stored, -1), remaining, read, now)
             if action is not None:
                 entries.append(GroupAction(stored, key, action))
             if handed.seqs:
@@ -462,7 +473,6 @@ class BrokerService:
                 batches.append({"subject": stored, "group": key, "first_pull": handed.first_pull,
                                 "resent": handed.resent, "messages": [delivery(r) for r in records]})
                 remaining -= len(handed.seqs)
-        return batches, self._commit(entries) if entries else None
 
     def _records(self, stored: str, seqs: list[int]) -> list[rec.Record]:
         """The records of consume-log sequences `seqs` of `stored`, skipping any removed by retention."""
@@ -487,21 +497,33 @@ class BrokerService:
     async def _ack(self, body: dict[str, Any], peer: PeerInfo) -> dict[str, Any]:
         entries: list[Entry] = []
         now = self.clock()
-        for item in _get(body, "acks", list):
-            if not isinstance(item, list | tuple) or len(item) != 4 or not isinstance(item[3], int):
+        acks = _get(body, "acks", list)
+        error: ProtocolError | None = None
+        for item in acks:  # all checked before any is applied
+            if (not isinstance(item, list | tuple) or len(item) != 4 or not isinstance(item[3], int)
+                    or isinstance(item[3], bool)):
                 raise _bad("each ack must be [subject, group, consumer, last_pull]")
-            stored, key, consumer, last_pull = item
+            _consumer(item[2])
+            self._known_group(item[0], item[1])
+        for stored, key, consumer, last_pull in acks:
             group = self._known_group(stored, key)
             try:
                 action = group.ack(consumer, last_pull, now)
             except UnknownConsumer as exc:
-                raise _unknown(str(exc)) from None
+                error = _unknown(str(exc))
+                break
             except ValueError as exc:
-                raise _unknown(f"consumer {consumer!r} of group {key!r} on {stored!r}: {exc}") from None
+                error = _unknown(f"consumer {consumer!r} of group {key!r} on {stored!r}: {exc}")
+                break
             if action is not None:
                 entries.append(GroupAction(stored, key, action))
-        if entries:
-            await self._durable(self._commit(entries))
+        if entries:  # the acks before a bad one are applied: journal them too
+            end = self._commit(entries)
+            if error is not None:
+                raise error
+            await self._durable(end)
+        elif error is not None:
+            raise error
         return {}
 
     async def _nack(self, body: dict[str, Any], peer: PeerInfo) -> dict[str, Any]:
@@ -565,10 +587,11 @@ class BrokerService:
     async def _heartbeat(self, body: dict[str, Any], peer: PeerInfo) -> dict[str, Any]:
         now = self.clock()
         for item in _get(body, "consumers", list):
-            if isinstance(item, list | tuple) and len(item) == 3:
-                group = self.state.group(item[0], item[1]) if isinstance(item[0], str) else None
-                if group is not None:
-                    group.heartbeat(item[2], now)
+            if not (isinstance(item, list | tuple) and len(item) == 3 and all(isinstance(x, str) for x in item)):
+                raise _bad("each heartbeat must be [subject, group, consumer]")
+            group = self.state.group(item[0], item[1])
+            if group is not None:
+                group.heartbeat(item[2], now)
         return {}
 
     def _admin_target(self, body: dict[str, Any]) -> tuple[str, str]:

@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge
 
+from qmq import metrics
 from qmq.db.engine import create_engine, safe_url
 from qmq.db.migrate import upgrade
 from qmq.meta.registry import (
@@ -43,12 +44,19 @@ MAX_SWEEP_INTERVAL_S = 1.0  # the liveness sweep runs at least this often (more 
 
 T = TypeVar("T")
 
-REQUESTS = Counter("qmq_meta_requests_total", "Requests handled by the meta server", ["request"])
-ERRORS = Counter("qmq_meta_request_errors_total", "Requests answered with an error frame", ["request", "error"])
-SERVERS = Gauge("qmq_meta_servers", "Registered servers", ["kind", "state"])
-GROUPS = Gauge("qmq_meta_groups", "Broker groups", ["state"])
-ROUTES = Gauge("qmq_meta_route_groups", "Subject-to-group route entries")
-DB_UP = Gauge("qmq_meta_database_up", "1 while the meta database answers, 0 after an error reaching it")
+REGISTRY = metrics.new_registry()
+REQUESTS = Counter("qmq_meta_requests_total", "Requests handled by the meta server", ["request"], registry=REGISTRY)
+ERRORS = Counter(
+    "qmq_meta_request_errors_total", "Requests answered with an error frame", ["request", "error"],
+    registry=REGISTRY,
+)
+SERVERS = Gauge("qmq_meta_servers", "Registered servers", ["kind", "state"], registry=REGISTRY)
+GROUPS = Gauge("qmq_meta_groups", "Broker groups", ["state"], registry=REGISTRY)
+ROUTES = Gauge("qmq_meta_route_groups", "Subject-to-group route entries", registry=REGISTRY)
+DB_UP = Gauge(
+    "qmq_meta_database_up", "1 while the meta database answers, 0 after an error reaching it",
+    registry=REGISTRY,
+)
 
 # Errors that mean "the database is not reachable right now", as opposed to a bug in a query.
 _DB_DOWN_ERRORS = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
@@ -287,9 +295,7 @@ async def serve_meta(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     if metrics_port is not None:
-        started = start_http_server(metrics_port, addr=host)
-        if isinstance(started, tuple):  # prometheus-client >= 0.19 returns (server, thread): the real port
-            metrics_port = started[0].server_port
+        metrics_port = metrics.serve(REGISTRY, host, metrics_port)
         log.info("metrics on http://%s:%d/metrics", host, metrics_port)
     server = Server(service.handle, host=host, port=port, token=token)
     await server.start()
