@@ -94,30 +94,38 @@ async def produce(port: int, total: int, batch: int, size: int, connections: int
             "p50_ms": latencies[len(latencies) // 2] * 1000, "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000}
 
 
-async def consume(port: int, total: int, max_pull: int) -> dict:
-    conn = await AsyncConnection.open(HOST, port, client_id="bench-consumer")
-    pulled: dict[str, int] = {}
+async def consume(port: int, total: int, max_pull: int, consumers: int = 2) -> dict:
+    """`consumers` consumers of one group, each on its own connection, each acking the batch it got
+    while its next pull is served. (One consumer id has one pull in flight: a pull says what its
+    consumer has seen, so two at once would make the broker resend the first one's messages.)"""
     got = 0
-    t0 = time.perf_counter()
-    ack_task = None
-    while got < total:
-        reply = await conn.request(RequestCode.BROKER_PULL, {
-            "subject": "bench", "group": "bench", "consumer": "c1", "max": max_pull, "wait_ms": 1000,
-            "start": "earliest", "pulled": pulled})
-        acks = []
-        for b in reply["batches"]:
-            last = b["first_pull"] + len(b["messages"]) - 1
-            pulled[b["subject"]] = last
-            got += len(b["messages"])
-            acks.append([b["subject"], b["group"], "c1", last])
+
+    async def run(name: str) -> None:
+        nonlocal got
+        conn = await AsyncConnection.open(HOST, port, client_id=f"bench-{name}")
+        pulled: dict[str, int] = {}
+        ack_task = None
+        while got < total:
+            reply = await conn.request(RequestCode.BROKER_PULL, {
+                "subject": "bench", "group": "bench", "consumer": name, "max": max_pull, "wait_ms": 200,
+                "start": "earliest", "pulled": pulled})
+            acks = []
+            for b in reply["batches"]:
+                last = b["first_pull"] + len(b["messages"]) - 1
+                pulled[b["subject"]] = last
+                got += len(b["messages"])
+                acks.append([b["subject"], b["group"], name, last])
+            if ack_task is not None:
+                await ack_task
+            if acks:
+                ack_task = asyncio.create_task(conn.request(RequestCode.BROKER_ACK, {"acks": acks}))
         if ack_task is not None:
             await ack_task
-        if acks:  # the ack of this batch travels while the next pull is served
-            ack_task = asyncio.create_task(conn.request(RequestCode.BROKER_ACK, {"acks": acks}))
-    if ack_task is not None:
-        await ack_task
+        await conn.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(run(f"c{i}") for i in range(consumers)))
     elapsed = time.perf_counter() - t0
-    await conn.close()
     return {"messages": got, "seconds": elapsed, "rate": got / elapsed}
 
 
@@ -203,7 +211,7 @@ def main() -> None:
             elif case == "consume":
                 asyncio.run(produce(broker.port, args.messages, 64, args.size, connections=2, inflight=4))
                 r = asyncio.run(consume(broker.port, args.messages, 1024))
-                print(f"consume        one group, pulls of up to 1024:   {r['rate']:>9,.0f} msg/s")
+                print(f"consume        one group, 2 consumers, pulls of up to 1024: {r['rate']:>9,.0f} msg/s")
             elif case == "latency":
                 r = asyncio.run(latency(broker.port, 1000, 10, args.size))
                 print(f"latency        1,000 msg/s for 10 s: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "

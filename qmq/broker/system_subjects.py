@@ -51,6 +51,9 @@ def wrap(record: Record, to_subject: str, attempt: int, reason: str) -> Message:
 
 def delivery(record: Record) -> dict:
     """A record as a pull reply carries it (docs/broker.md)."""
+    if not record.flags & WRAPPED:  # the common case, kept cheap: one dict per message on the hot path
+        return {"id": record.message_id, "subject": record.subject, "payload": record.payload, "key": record.key,
+                "tags": list(record.tags), "attempt": 1, "stored_at": record.store_ts}
     original = unwrap(record)
     return {"id": record.message_id, "subject": original.subject, "payload": original.payload,
             "key": record.key, "tags": list(record.tags), "attempt": original.attempt,

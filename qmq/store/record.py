@@ -28,6 +28,9 @@ class Attr(IntEnum):
     BLANK = 2  # a region cut out by `repair`: skipped by readers, keeps offsets stable
 
 
+_MESSAGE, _BLANK = int(Attr.MESSAGE), int(Attr.BLANK)  # plain ints: compared once per record read
+
+
 class RecordError(Exception):
     """A record that cannot be trusted: why, and at which log offset."""
 
@@ -107,9 +110,10 @@ def decode(buf, pos: int, base_offset: int) -> Record:
         if avail >= 8:
             _check_prefix(buf, pos, offset)
         raise TruncatedRecord(offset, f"{avail} bytes left, a record header needs {HEADER_SIZE}")
-    (size, _magic, crc, attr, flags, ts, seq, subject_len, id_len, key_len, tags_len,
+    (size, magic, crc, attr, flags, ts, seq, subject_len, id_len, key_len, tags_len,
      payload_len) = HEADER.unpack_from(buf, pos)
-    _check_prefix(buf, pos, offset)
+    if magic != MAGIC or size < HEADER_SIZE or size > MAX_RECORD_SIZE:
+        _check_prefix(buf, pos, offset)
     if HEADER_SIZE + subject_len + id_len + key_len + tags_len + payload_len != size:
         raise RecordError(offset, f"field lengths do not add up to the record size {size}")
     if size > avail:
@@ -118,21 +122,23 @@ def decode(buf, pos: int, base_offset: int) -> Record:
     actual = zlib.crc32(memoryview(buf)[pos + CRC_START:end])
     if actual != crc:
         raise RecordError(offset, f"CRC mismatch (stored {crc:#010x}, computed {actual:#010x})")
-    if attr not in (Attr.MESSAGE, Attr.BLANK):
+    if attr != _MESSAGE and attr != _BLANK:
         raise RecordError(offset, f"unknown record attribute {attr}")
     p = pos + HEADER_SIZE
-    try:
-        subject = bytes(buf[p:p + subject_len]).decode()
+    try:  # str(slice, "utf-8") decodes bytes, bytearray and memoryview slices alike, without a copy
+        subject = str(buf[p:p + subject_len], "utf-8")
         p += subject_len
-        message_id = bytes(buf[p:p + id_len]).decode()
+        message_id = str(buf[p:p + id_len], "utf-8")
         p += id_len
-        key = bytes(buf[p:p + key_len]).decode() if key_len else None
+        key = str(buf[p:p + key_len], "utf-8") if key_len else None
         p += key_len
-        tags = tuple(bytes(buf[p:p + tags_len]).decode().split(TAG_SEPARATOR)) if tags_len else ()
+        tags = tuple(str(buf[p:p + tags_len], "utf-8").split(TAG_SEPARATOR)) if tags_len else ()
         p += tags_len
     except UnicodeDecodeError as exc:
         raise RecordError(offset, f"text field is not UTF-8 ({exc.reason})") from None
-    return Record(offset, size, attr, flags, ts, seq, subject, message_id, key, tags, bytes(buf[p:end]))
+    payload = buf[p:end]
+    return Record(offset, size, attr, flags, ts, seq, subject, message_id, key, tags,
+                  payload if type(payload) is bytes else bytes(payload))
 
 
 def _check_prefix(buf, pos: int, offset: int) -> None:
