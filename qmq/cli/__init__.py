@@ -12,6 +12,8 @@ from qmq.cli.broker import broker
 from qmq.cli.db import db
 from qmq.cli.log import log
 from qmq.cli.meta import meta
+from qmq.cli.send import send
+from qmq.cli.tail import tail
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "QMQ"})
@@ -24,3 +26,5 @@ main.add_command(log)
 main.add_command(meta)
 main.add_command(db)
 main.add_command(broker)
+main.add_command(send)
+main.add_command(tail)

@@ -1,0 +1,131 @@
+"""`qmq send`: send messages from the command line, printing each id once a broker stored it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from qmq.cli.client_options import client_options, make_client
+from qmq.client import ClientError, OutgoingMessage, SendResult
+from qmq.client.blocking import no_route_error
+from qmq.client.core import DEFAULT_BATCH_SIZE
+from qmq.protocol.errors import ProtocolError
+from qmq.protocol.limits import validate_subject
+
+CHUNK_BATCHES = 16  # one send() call covers this many batches; ids are printed after each call
+MAX_FAILURES_SHOWN = 10  # failed messages named one by one; the rest are counted
+DELAY_UNAVAILABLE = "delayed messages need the delay server, which is not available yet"
+
+
+@click.command("send")
+@click.argument("subject")
+@click.argument("body", required=False)
+@client_options
+@click.option("--tag", "tags", multiple=True, help="a tag consumers can filter on (repeat for several)")
+@click.option("--key", default=None, help="the message key (indexed by the broker for look-ups)")
+@click.option("--header", "headers", multiple=True, metavar="K=V", help="a header (repeat for several)")
+@click.option("--json", "as_json", is_flag=True, help="BODY is JSON: send the value, as application/json")
+@click.option("--delay", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="deliver after this many seconds (needs the delay server)")
+@click.option("--at", default=None, metavar="ISO8601", help="deliver at this time (needs the delay server)")
+@click.option("--count", type=click.IntRange(min=1), default=1, show_default=True, help="messages to send")
+@click.option("--size", type=click.IntRange(min=0), default=None, metavar="BYTES",
+              help="send BYTES random bytes as each body, instead of BODY")
+@click.option("--batch", type=click.IntRange(1, 4096), default=DEFAULT_BATCH_SIZE, show_default=True,
+              help="messages per broker request")
+def send(subject: str, body: str | None, meta: str | None, brokers: tuple[str, ...], token: str | None,
+         log_level: str, tags: tuple[str, ...], key: str | None, headers: tuple[str, ...], as_json: bool,
+         delay: float | None, at: str | None, count: int, size: int | None, batch: int) -> None:
+    """Send COUNT messages to SUBJECT and print each message id, one per line, once a broker has
+    stored it. The body is BODY (text), --size random bytes, or else all of standard input."""
+    if delay is not None or at is not None:
+        raise click.ClickException(f"--delay and --at are refused: {DELAY_UNAVAILABLE}")
+    make_body = _body_maker(body, size, as_json)
+    header_map = _parse_headers(headers)
+    client = make_client(meta, brokers, token, log_level, batch_size=batch)
+    try:
+        _check_route(client, subject)
+        sent = 0
+        while sent < count:
+            n = min(count - sent, batch * CHUNK_BATCHES)
+            messages = [OutgoingMessage(subject, make_body(), key=key, tags=tags, headers=header_map)
+                        for _ in range(n)]
+            results = client.send(messages)
+            for result in results:
+                if result.ok:
+                    click.echo(result.message_id)
+            sys.stdout.flush()
+            failed = [r for r in results if not r.ok]
+            if failed:
+                _report(failed, count - sent - n)
+            sent += n
+    finally:
+        client.close()
+
+
+def _body_maker(body: str | None, size: int | None, as_json: bool) -> Callable[[], Any]:
+    """What each message's body is made by: the same BODY, fresh random bytes, or standard input."""
+    if body is not None and size is not None:
+        raise click.UsageError("give BODY or --size, not both")
+    if size is not None:
+        if as_json:
+            raise click.UsageError("--json needs BODY, not --size")
+        return lambda: os.urandom(size)
+    if body is None:
+        raw = click.get_binary_stream("stdin").read()
+        try:
+            body = raw.decode()
+        except UnicodeDecodeError:
+            if as_json:
+                raise click.UsageError("--json: standard input is not UTF-8 text") from None
+            return lambda: raw
+    value: Any = body
+    if as_json:
+        try:
+            value = json.loads(body)
+        except ValueError as exc:
+            raise click.UsageError(f"--json: BODY is not JSON: {exc}") from None
+    return lambda: value
+
+
+def _parse_headers(headers: tuple[str, ...]) -> dict[str, str] | None:
+    out = {}
+    for item in headers:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise click.UsageError(f"--header {item!r} must be NAME=VALUE")
+        out[name] = value
+    return out or None
+
+
+def _check_route(client: Any, subject: str) -> None:
+    """Name the problem once, before sending, when the subject is not allowed, the meta server is
+    unreachable, or it knows no broker group that takes the subject."""
+    try:
+        validate_subject(subject)
+    except ProtocolError as exc:
+        raise click.UsageError(exc.message) from None
+    try:
+        route = client.route(subject)
+    except ClientError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not route.writable_groups:
+        if route.groups:
+            names = ", ".join(g.name for g in route.groups)
+            raise click.ClickException(f"no broker group takes messages for {subject!r} now: its groups "
+                                       f"({names}) are unavailable or read-only")
+        raise click.ClickException(str(no_route_error(client.meta, subject)))
+
+
+def _report(failed: list[SendResult], not_tried: int) -> None:
+    for result in failed[:MAX_FAILURES_SHOWN]:
+        click.echo(f"qmq send: message {result.message_id} was not sent: {result.error}", err=True)
+    if len(failed) > MAX_FAILURES_SHOWN:
+        click.echo(f"qmq send: ... and {len(failed) - MAX_FAILURES_SHOWN} more not sent", err=True)
+    more = f"; {not_tried} more were not tried" if not_tried else ""
+    raise click.ClickException(f"{len(failed)} message(s) were not sent{more}")

@@ -1,0 +1,137 @@
+"""Connections by server address, for the blocking and the asyncio client.
+
+One connection per address is enough: both connection classes pipeline any number of requests. A
+connection that was lost (server restarted, connection closed after a fatal error) is replaced by a
+new one the next time the address is used; the request that met the loss fails with ConnectionError
+and the caller decides whether to try again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from qmq.client.routes import parse_address
+from qmq.net.aio_client import AsyncConnection
+from qmq.net.client import BlockingConnection
+from qmq.net.common import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S
+
+
+class ConnectFailed(ConnectionError):
+    """No connection could be opened to `address` (nothing listens, unreachable, timed out)."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"cannot connect to {address}: {reason}")
+        self.address = address
+        self.reason = reason
+
+
+def _connect_failed(address: str, exc: OSError) -> ConnectFailed:
+    if isinstance(exc, TimeoutError):
+        return ConnectFailed(address, "timed out")
+    return ConnectFailed(address, exc.strerror or str(exc) or type(exc).__name__)
+
+
+class ConnectionPool:
+    """Thread-safe. Opening a connection to one address never waits for another address."""
+
+    def __init__(self, *, client_id: str | None = None, token: str | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.client_id = client_id
+        self.token = token
+        self.connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._address_locks: dict[str, threading.Lock] = {}
+        self._connections: dict[str, BlockingConnection] = {}
+        self._closed = False
+
+    def get(self, address: str) -> BlockingConnection:
+        """The open connection to `address`, opened now if there is none. Raises `ConnectFailed`, or
+        RemoteError (the handshake was refused: a wrong token)."""
+        with self._lock:
+            if self._closed:
+                raise ConnectionError("this client was closed")
+            conn = self._connections.get(address)
+            if conn is not None and not conn.closed:
+                return conn
+            address_lock = self._address_locks.setdefault(address, threading.Lock())
+        with address_lock:
+            with self._lock:
+                conn = self._connections.get(address)
+            if conn is not None and not conn.closed:
+                return conn
+            if conn is not None:
+                conn.close()  # already lost: this only releases its socket and reader thread
+            host, port = parse_address(address)
+            try:
+                conn = BlockingConnection.open(host, port, client_id=self.client_id, token=self.token,
+                                               timeout=self.connect_timeout_s)
+            except OSError as exc:
+                raise _connect_failed(address, exc) from None
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    raise ConnectionError("this client was closed")
+                self._connections[address] = conn
+            return conn
+
+    def request(self, address: str, code: int, body: dict[str, Any] | None,
+                timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        return self.get(address).request(code, body, timeout)
+
+    def close(self) -> None:
+        """Close every connection; requests in flight fail with ConnectionError."""
+        with self._lock:
+            self._closed = True
+            connections, self._connections = list(self._connections.values()), {}
+        for conn in connections:
+            conn.close()
+
+
+class AsyncConnectionPool:
+    """The same for asyncio; used from one event loop."""
+
+    def __init__(self, *, client_id: str | None = None, token: str | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.client_id = client_id
+        self.token = token
+        self.connect_timeout_s = connect_timeout_s
+        self._address_locks: dict[str, asyncio.Lock] = {}
+        self._connections: dict[str, AsyncConnection] = {}
+        self._closed = False
+
+    async def get(self, address: str) -> AsyncConnection:
+        if self._closed:
+            raise ConnectionError("this client was closed")
+        conn = self._connections.get(address)
+        if conn is not None and not conn.closed:
+            return conn
+        async with self._address_locks.setdefault(address, asyncio.Lock()):
+            conn = self._connections.get(address)
+            if conn is not None and not conn.closed:
+                return conn
+            if conn is not None:
+                await conn.close()
+            host, port = parse_address(address)
+            try:
+                conn = await AsyncConnection.open(host, port, client_id=self.client_id, token=self.token,
+                                                  timeout=self.connect_timeout_s)
+            except OSError as exc:
+                raise _connect_failed(address, exc) from None
+            if self._closed:
+                await conn.close()
+                raise ConnectionError("this client was closed")
+            self._connections[address] = conn
+            return conn
+
+    async def request(self, address: str, code: int, body: dict[str, Any] | None,
+                      timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        conn = await self.get(address)
+        return await conn.request(code, body, timeout)
+
+    async def close(self) -> None:
+        self._closed = True
+        connections, self._connections = list(self._connections.values()), {}
+        for conn in connections:
+            await conn.close()

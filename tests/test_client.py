@@ -1,0 +1,437 @@
+"""The client library and `qmq send` / `qmq tail` against real `qmq broker` (and `qmq meta`) processes:
+round trips, per-message rejection, retries on another group when a broker is SIGKILLed, nack and
+redelivery, acknowledgements that survive a broker restart, and the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from qmq.client import AsyncClient, Client, Delivery, MetaUnreachable, NoRoute, OutgoingMessage, SendError
+from qmq.client.core import MAX_PULL_WAIT_S
+from qmq.net.client import BlockingConnection
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import ErrorCode
+from qmq.protocol.limits import MAX_MESSAGE_BYTES
+from tests.support.broker import ROOT, Broker, restart_broker, start_broker
+from tests.support.processes import free_port, wait_for_port
+
+HOST = "127.0.0.1"
+DRAIN_TIMEOUT_S = 30.0  # a test's messages must all arrive within this
+CLI_TIMEOUT_S = 60.0
+ENV = {"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": ""}
+
+
+@pytest.fixture
+def brokers(processes, tmp_path) -> list[Broker]:
+    return [start_broker(processes, tmp_path / f"broker{i}", name=f"broker{i}") for i in range(2)]
+
+
+@pytest.fixture
+def client(brokers):
+    with Client(brokers=[b.address for b in brokers], client_id="client-test") as c:
+        yield c
+
+
+def drain(subscription, expected: int, *, ack: bool = True, timeout_s: float = DRAIN_TIMEOUT_S) -> list[Delivery]:
+    """Pull until `expected` deliveries came (acking each), failing after `timeout_s`."""
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < expected:
+        assert time.monotonic() < deadline, f"only {len(got)} of {expected} messages within {timeout_s} s"
+        for delivery in subscription.pull(max=64, wait_s=1.0):
+            got.append(delivery)
+            if ack:
+                subscription.ack(delivery)
+    return got
+
+
+def unfinished(brokers: list[Broker], subject: str, group: str) -> int:
+    """Messages of `subject` the brokers hold for `group` that were not acknowledged (handed out or
+    not): what a consumer that says it acknowledged everything must leave at zero."""
+    total = 0
+    for broker in brokers:
+        with broker.connect() as conn:
+            stats = conn.request(RequestCode.BROKER_STATS, {})
+        for item in stats["groups"]:
+            if item["subject"] == subject and item["group"] == group:
+                total += item["in_flight"] + item["backlog"]
+    return total
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DRAIN_TIMEOUT_S) -> Any:
+    """Poll another process's state, where there is no event to wait on."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+# ---- the blocking client -----------------------------------------------------------------------------
+
+
+def test_send_pull_ack_round_trip(client, brokers) -> None:
+    subscription = client.subscribe("order.created", "billing")
+    bodies = [{"n": i} if i % 3 == 0 else (f"text {i}" if i % 3 == 1 else bytes([i % 256]) * 3) for i in range(90)]
+    messages = [OutgoingMessage("order.created", body, key=f"k{i}", tags=["new"] if i % 2 else [],
+                                headers={"i": str(i)}) for i, body in enumerate(bodies)]
+    results = client.send(messages)
+    assert [r.message_id for r in results] == [m.id for m in messages]
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert {r.group for r in results} == {b.address for b in brokers}  # spread over both groups
+
+    got = drain(subscription, len(messages))
+    by_id = {d.id: d for d in got}
+    assert sorted(by_id) == sorted(m.id for m in messages) and len(got) == len(messages)
+    for i, m in enumerate(messages):
+        d = by_id[m.id]
+        assert d.body == bodies[i] and d.key == f"k{i}" and d.headers == {"i": str(i)}
+        assert d.tags == (("new",) if i % 2 else ()) and d.attempt == 1 and d.subject == "order.created"
+        assert d.created_at is not None and d.stored_at is not None and d.created_at <= d.stored_at
+    subscription.close()
+
+    # The acknowledgements were flushed by close(): the group has nothing left.
+    assert unfinished(brokers, "order.created", "billing") == 0
+    again = client.subscribe("order.created", "billing", start="earliest")
+    assert again.pull(wait_s=0.5) == []
+    again.close()
+    # Another group starting at the earliest message gets everything.
+    audit = client.subscribe("order.created", "audit", start="earliest")
+    assert sorted(d.id for d in drain(audit, len(messages))) == sorted(m.id for m in messages)
+
+
+def test_latest_group_gets_what_is_sent_after_subscribe(client) -> None:
+    client.send_one("late", "before")  # stored before the group exists: not for it
+    subscription = client.subscribe("late", "g")
+    sent = client.send_one("late", "after")
+    [d] = drain(subscription, 1)
+    assert (d.id, d.body) == (sent.message_id, "after")
+    assert subscription.pull(wait_s=0.3) == []
+
+
+def test_pull_does_not_wait_on_an_empty_group_while_another_has_data(client, brokers) -> None:
+    subscription = client.subscribe("fast", "g")
+    subscription.pull(wait_s=0)
+    with Client(brokers=[brokers[1].address]) as only_b:
+        sent = only_b.send_one("fast", "x")
+    started = time.monotonic()
+    got = subscription.pull(wait_s=MAX_PULL_WAIT_S)
+    assert [d.id for d in got] == [sent.message_id]
+    assert time.monotonic() - started < 5.0, "the pull waited on the empty group"
+
+
+def test_rejected_messages_are_reported_and_the_rest_stored(client) -> None:
+    too_big = OutgoingMessage("rej", b"x" * (MAX_MESSAGE_BYTES + 1))
+    fine = [OutgoingMessage("rej", f"m{i}") for i in range(3)]
+    bad_subject = OutgoingMessage("no spaces allowed", "x")
+    results = client.send([fine[0], too_big, fine[1], bad_subject, fine[2]])
+    assert [r.ok for r in results] == [True, False, True, False, True]
+    assert results[1].error_code == ErrorCode.MESSAGE_TOO_LARGE and "MESSAGE_TOO_LARGE" in results[1].error
+    assert results[3].error_code == ErrorCode.BAD_SUBJECT
+    with pytest.raises(SendError) as info:
+        client.send_one("rej", b"x" * (MAX_MESSAGE_BYTES + 1))
+    assert info.value.result.error_code == ErrorCode.MESSAGE_TOO_LARGE
+    subscription = client.subscribe("rej", "g", start="earliest")
+    assert sorted(d.id for d in drain(subscription, 3)) == sorted(m.id for m in fine)
+    assert subscription.pull(wait_s=0.3) == []
+
+
+def test_send_moves_to_the_other_group_when_a_broker_is_killed(processes, client, brokers) -> None:
+    a, b = brokers
+    subscription = client.subscribe("kill", "g")
+    warm = client.send([OutgoingMessage("kill", f"warm {i}") for i in range(20)])
+    assert {r.group for r in warm} == {a.address, b.address}
+    processes.kill(a.proc)
+
+    messages = [OutgoingMessage("kill", f"after {i}") for i in range(50)]
+    results = client.send(messages)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert {r.group for r in results} == {b.address}
+    assert [r.message_id for r in results] == [m.id for m in messages]  # the same ids after the retry
+
+    on_b = [r.message_id for r in warm if r.group == b.address] + [m.id for m in messages]
+    assert sorted(d.id for d in drain(subscription, len(on_b))) == sorted(on_b)
+    # Broker a comes back with the messages it had stored; the subscription reconnects and drains it.
+    restart_broker(processes, a)
+    on_a = [r.message_id for r in warm if r.group == a.address]
+    assert sorted(d.id for d in drain(subscription, len(on_a))) == sorted(on_a)
+
+
+def test_send_fails_clearly_when_no_broker_takes_it(processes, brokers) -> None:
+    for broker in brokers:
+        processes.kill(broker.proc)
+    with Client(brokers=[b.address for b in brokers]) as client:
+        [result] = client.send([OutgoingMessage("dead", "x")])
+    assert not result.ok and result.error_code == ErrorCode.UNAVAILABLE
+    assert "3 attempts" in result.error and "cannot connect" in result.error
+
+
+def test_nack_redelivers_with_the_next_attempt_then_dead_letters(client) -> None:
+    subscription = client.subscribe("flaky", "g")
+    sent = client.send_one("flaky", {"job": 1})
+    [first] = drain(subscription, 1, ack=False)
+    assert first.attempt == 1 and not first.is_retry
+    outcome = subscription.nack(first, 0.2, reason="try again")
+    assert outcome is not None and outcome[0] == "retry"
+    [second] = drain(subscription, 1, ack=False)
+    assert (second.id, second.attempt, second.body) == (sent.message_id, 2, {"job": 1})
+    assert second.is_retry and second.subject == "flaky"
+    outcome = subscription.nack(second, 0, dead=True, reason="give up")
+    assert outcome is not None and outcome[0] == "dead"
+    assert subscription.pull(wait_s=0.5) == []
+    subscription.close()
+    # Nothing comes back to the group: both deliveries were acknowledged after their nacks.
+    with client.subscribe("flaky", "g") as again:
+        assert again.pull(wait_s=0.5) == []
+
+
+def test_unacknowledged_messages_come_back_to_the_same_consumer(client) -> None:
+    first = client.subscribe("resend", "g", consumer="worker-1")
+    sent = [r.message_id for r in client.send([OutgoingMessage("resend", f"m{i}") for i in range(10)])]
+    got = drain(first, 10, ack=False)
+    for d in got[:4]:
+        first.ack(d)
+    first.close()  # the process "restarts": the same consumer id, no memory of what it saw
+    second = client.subscribe("resend", "g", consumer="worker-1")
+    acked = {d.id for d in got[:4]}
+    again = drain(second, 10 - 4)
+    # Acks are prefixes per broker: what was acked may come again only if an earlier one was not.
+    assert set(sent) - acked <= {d.id for d in again}
+    assert all(d.attempt == 1 for d in again)
+    assert second.pull(wait_s=0.5) == []
+
+
+def test_acks_across_broker_restarts_never_crash_the_consumer(processes, tmp_path) -> None:
+    broker = start_broker(processes, tmp_path / "solo", name="solo")
+    with Client(brokers=[broker.address]) as client:
+        subscription = client.subscribe("restart", "g")
+        ids = [r.message_id for r in client.send([OutgoingMessage("restart", f"m{i}") for i in range(5)])]
+        got = drain(subscription, 5, ack=False)
+        processes.kill(broker.proc)
+        for d in got:
+            subscription.ack(d)
+        subscription.flush()  # the broker is down: the acks are forgotten, not raised
+        assert subscription.pull(wait_s=0.2) == []  # nor does a pull raise
+        broker = restart_broker(processes, broker)
+        again = drain(subscription, 5)  # delivered again: the broker never saw them acknowledged
+        assert sorted(d.id for d in again) == sorted(ids)
+        assert all(not subscription._state.is_current(d) for d in got)
+        subscription.flush()  # these reach the broker, on a new connection
+
+        processes.kill(broker.proc)
+        broker = restart_broker(processes, broker)
+        assert subscription.pull(wait_s=1.0) == []  # the acks were durable
+        sent = client.send_one("restart", "after")
+        [d] = drain(subscription, 1)
+        assert d.id == sent.message_id
+
+
+def test_tags_filter_on_the_broker(client) -> None:
+    subscription = client.subscribe("tagged", "g", tags=["red"])
+    results = client.send([OutgoingMessage("tagged", i, tags=["red"] if i % 2 else ["blue"]) for i in range(10)])
+    red = [r.message_id for i, r in enumerate(results) if i % 2]
+    got = drain(subscription, len(red))
+    assert sorted(d.id for d in got) == sorted(red)
+    assert subscription.pull(wait_s=0.3) == []
+
+
+def test_broadcast_consumers_each_get_every_message(client) -> None:
+    one = client.subscribe("news", "readers", consumer="one", broadcast=True)
+    two = client.subscribe("news", "readers", consumer="two", broadcast=True)
+    shared = client.subscribe("news", "workers")
+    sent = sorted(r.message_id for r in client.send([OutgoingMessage("news", i) for i in range(12)]))
+    assert sorted(d.id for d in drain(one, 12)) == sent
+    assert sorted(d.id for d in drain(two, 12)) == sent
+    assert sorted(d.id for d in drain(shared, 12)) == sent
+
+
+# ---- the asyncio client ------------------------------------------------------------------------------
+
+
+def test_async_client_round_trip_nack_and_failover(processes, brokers) -> None:
+    async def main() -> None:
+        async with AsyncClient(brokers=[b.address for b in brokers], client_id="aio-test") as client:
+            subscription = await client.subscribe("aio", "g")
+            messages = [OutgoingMessage("aio", {"n": i}, key=str(i)) for i in range(40)]
+            results = await client.send(messages)
+            assert all(r.ok for r in results) and {r.group for r in results} == {b.address for b in brokers}
+            got: list[Delivery] = []
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            while len(got) < len(messages):
+                assert time.monotonic() < deadline
+                got.extend(await subscription.pull(wait_s=1.0))
+            assert sorted(d.id for d in got) == sorted(m.id for m in messages)
+            assert {d.id: d.body for d in got} == {m.id: m.body for m in messages}
+            for d in got[1:]:
+                await subscription.ack(d)
+            assert (await subscription.nack(got[0], 0))[0] == "retry"
+            [again] = await subscription.pull(wait_s=DRAIN_TIMEOUT_S)
+            assert (again.id, again.attempt) == (got[0].id, 2)
+            await subscription.ack(again)
+            await subscription.flush()
+            assert await subscription.pull(wait_s=0.3) == []
+
+            processes.kill(brokers[0].proc)
+            after = await client.send([OutgoingMessage("aio", f"after {i}") for i in range(10)])
+            assert all(r.ok for r in after) and {r.group for r in after} == {brokers[1].address}
+            with pytest.raises(SendError):
+                await client.send_one("aio", b"x" * (MAX_MESSAGE_BYTES + 1))
+            await subscription.close()
+
+    asyncio.run(main())
+
+
+# ---- with a meta server ------------------------------------------------------------------------------
+
+
+def start_meta(processes, tmp_path) -> str:
+    port = free_port()
+    proc = processes.start(["-m", "qmq", "meta", "--port", str(port), "--db", f"sqlite:///{tmp_path / 'meta.db'}"],
+                           name="meta", env=ENV)
+    wait_for_port(port, proc)
+    return f"{HOST}:{port}"
+
+
+def registered_groups(meta: str) -> set[str]:
+    host, port = meta.split(":")
+    with BlockingConnection.open(host, int(port), token="") as conn:
+        listing = conn.request(RequestCode.META_LIST, {})
+    return {g["name"] for g in listing["groups"] if g["available"]}
+
+
+def test_with_a_meta_server_send_retries_on_the_other_group(processes, tmp_path) -> None:
+    meta = start_meta(processes, tmp_path)
+    brokers = [start_broker(processes, tmp_path / name, "--meta", meta, "--group", name, name=name)
+               for name in ("ga", "gb")]
+    wait_until(lambda: registered_groups(meta) == {"ga", "gb"}, "both brokers registered")
+    with Client(meta=meta, client_id="meta-client") as client:
+        subscription = client.subscribe("routed", "g")
+        assert {g.name for g in client.route("routed").groups} == {"ga", "gb"}
+        warm = client.send([OutgoingMessage("routed", i) for i in range(20)])
+        assert {r.group for r in warm} == {"ga", "gb"}
+        processes.kill(brokers[0].proc)  # the meta server still thinks ga is alive for a while
+        results = client.send([OutgoingMessage("routed", f"after {i}") for i in range(30)])
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+        assert {r.group for r in results} == {"gb"}
+        on_gb = {r.message_id for r in warm + results if r.group == "gb"}
+        assert {d.id for d in drain(subscription, len(on_gb))} == on_gb
+
+
+def test_meta_server_unreachable_or_without_brokers(processes, tmp_path) -> None:
+    dead = f"{HOST}:{free_port()}"
+    with Client(meta=dead) as client:
+        [result] = client.send([OutgoingMessage("s", "x")])
+        assert not result.ok and f"cannot reach the meta server at {dead}" in result.error
+        with pytest.raises(MetaUnreachable, match="cannot reach the meta server"):
+            client.subscribe("s", "g")
+    meta = start_meta(processes, tmp_path)
+    with Client(meta=meta) as client:
+        [result] = client.send([OutgoingMessage("s", "x")])
+        assert not result.ok and "no writable broker group carries subject 's'" in result.error
+        with pytest.raises(NoRoute, match="no broker group carries subject 's'"):
+            client.subscribe("s", "g")
+
+
+# ---- the command line --------------------------------------------------------------------------------
+
+
+def qmq(*args: str, input: bytes | None = None, env: dict | None = None,
+        timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qmq", *args], input=input, capture_output=True,
+                          env={**os.environ, **ENV, **(env or {})}, timeout=timeout)
+
+
+def broker_args(brokers: list[Broker]) -> list[str]:
+    return [arg for b in brokers for arg in ("--broker", b.address)]
+
+
+def test_cli_send_then_tail(brokers) -> None:
+    sent = qmq("send", "cli.subject", "hello", *broker_args(brokers), "--count", "5", "--tag", "t1",
+               "--key", "k", "--header", "h=v")
+    assert sent.returncode == 0, sent.stderr.decode()
+    ids = sent.stdout.decode().split()
+    assert len(ids) == 5 and len(set(ids)) == 5
+    json_sent = qmq("send", "cli.subject", '{"a": [1, 2]}', "--json", *broker_args(brokers))
+    bytes_sent = qmq("send", "cli.subject", *broker_args(brokers), "--size", "16")
+    stdin_sent = qmq("send", "cli.subject", *broker_args(brokers), input=b"from stdin\n")
+    for result in (json_sent, bytes_sent, stdin_sent):
+        assert result.returncode == 0, result.stderr.decode()
+
+    tail = qmq("tail", "cli.subject", "--group", "cli", *broker_args(brokers), "--from", "earliest",
+               "--count", "8")
+    assert tail.returncode == 0, tail.stderr.decode()
+    lines = [json.loads(line) for line in tail.stdout.decode().splitlines()]
+    by_id = {line["id"]: line for line in lines}
+    assert len(lines) == 8 and set(ids) <= set(by_id)
+    hello = by_id[ids[0]]
+    assert {k: hello[k] for k in ("subject", "body", "content_type", "tags", "key", "headers", "attempts")} == {
+        "subject": "cli.subject", "body": "hello", "content_type": "text/plain; charset=utf-8", "tags": ["t1"],
+        "key": "k", "headers": {"h": "v"}, "attempts": 1}
+    assert hello["created_at"].endswith("Z") and hello["stored_at"].endswith("Z")
+    assert by_id[json_sent.stdout.decode().strip()]["body"] == {"a": [1, 2]}
+    raw = by_id[bytes_sent.stdout.decode().strip()]
+    assert raw["body_encoding"] == "base64" and len(raw["body"]) == 24
+    assert by_id[stdin_sent.stdout.decode().strip()]["body"] == "from stdin\n"
+
+    # Acknowledged: the group has nothing left; --timeout ends the wait.
+    assert unfinished(brokers, "cli.subject", "cli") == 0
+    started = time.monotonic()
+    empty = qmq("tail", "cli.subject", "--group", "cli", *broker_args(brokers), "--timeout", "1")
+    assert empty.returncode == 0 and empty.stdout == b"", empty.stderr.decode()
+    assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_cli_tail_from_latest_until_stopped(processes, brokers, stop) -> None:
+    args = ["-m", "qmq", "tail", "cli.live", "--group", "live", *broker_args(brokers)]
+    tail = processes.start(args, name="tail", env=ENV, stdout=subprocess.PIPE)
+    wait_until(lambda: b"waiting for messages" in tail.log_path.read_bytes(), "tail registered with the brokers")
+    sent = qmq("send", "cli.live", "now", *broker_args(brokers))
+    assert sent.returncode == 0, sent.stderr.decode()
+    line = json.loads(tail.stdout.readline())
+    assert (line["id"], line["body"]) == (sent.stdout.decode().strip(), "now")
+    os.killpg(tail.pid, stop)
+    assert tail.wait(timeout=CLI_TIMEOUT_S) == 0
+    # Stopping flushed the acknowledgement: nothing is left for the group.
+    assert unfinished(brokers, "cli.live", "live") == 0
+    again = qmq("tail", "cli.live", "--group", "live", *broker_args(brokers), "--timeout", "0.5")
+    assert again.returncode == 0 and again.stdout == b"", again.stderr.decode()
+
+
+def test_cli_errors_are_named(processes, brokers, tmp_path) -> None:
+    dead = f"{HOST}:{free_port()}"
+    result = qmq("send", "s", "x", "--meta", dead)
+    assert result.returncode != 0 and f"cannot reach the meta server at {dead}" in result.stderr.decode()
+    result = qmq("send", "s", "x", env={"QMQ_META": dead})  # the environment stands in for --meta
+    assert result.returncode != 0 and f"cannot reach the meta server at {dead}" in result.stderr.decode()
+    result = qmq("tail", "s", "--group", "g", "--meta", dead, "--timeout", "1")
+    assert result.returncode != 0 and f"cannot reach the meta server at {dead}" in result.stderr.decode()
+
+    result = qmq("send", "s", "x", "--delay", "5", *broker_args(brokers))
+    assert result.returncode != 0 and "delay server, which is not available yet" in result.stderr.decode()
+    result = qmq("send", "s", "x", "--at", "2030-01-01T00:00:00Z", *broker_args(brokers))
+    assert result.returncode != 0 and "delay server" in result.stderr.decode()
+    assert qmq("tail", "s", "--group", "g", "--from", "earliest", *broker_args(brokers),
+               "--timeout", "0.5").stdout == b""  # nothing was sent early
+
+    result = qmq("send", "s", *broker_args(brokers), "--size", str(MAX_MESSAGE_BYTES + 1))
+    assert result.returncode != 0 and result.stdout == b""
+    assert "MESSAGE_TOO_LARGE" in result.stderr.decode() and "was not sent" in result.stderr.decode()
+
+    result = qmq("send", "bad subject", "x", *broker_args(brokers))
+    assert result.returncode != 0 and "subject 'bad subject'" in result.stderr.decode()
+
+    meta = start_meta(processes, tmp_path)
+    result = qmq("send", "s", "x", "--meta", meta)
+    assert result.returncode != 0 and "no broker group carries subject 's'" in result.stderr.decode()

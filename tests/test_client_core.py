@@ -1,0 +1,473 @@
+"""The client's sans-I/O core: ack prefixes with out-of-order completion and resends, pull replies to
+deliveries, dropped trackers, merging send replies, choosing and retrying groups, routes."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qmq.client.core import (
+    RETRY_DELAY_S,
+    AckTracker,
+    GroupHealth,
+    InvalidMessage,
+    OutgoingMessage,
+    SendJob,
+    SubscribeOptions,
+    SubscriptionState,
+    choose_group,
+    pull_retry_delay_s,
+    wire_message,
+)
+from qmq.client.routes import RouteCache, parse_address, parse_route, static_route
+from qmq.protocol import envelope
+from qmq.protocol.errors import ErrorCode, RemoteError
+
+KEY = ("127.0.0.1:1", "s", "g", "c")
+
+# ---- AckTracker -----------------------------------------------------------------------------------
+
+
+def test_ack_tracker_releases_only_the_contiguous_done_prefix() -> None:
+    tracker = AckTracker(KEY, epoch=1)
+    assert tracker.pulled is None and tracker.take_ack() is None
+    assert tracker.receive(0, 5) == [0, 1, 2, 3, 4]
+    assert tracker.pulled == 4 and tracker.outstanding == 5
+    tracker.done(2)
+    tracker.done(1)
+    assert tracker.take_ack() is None  # 0 is not done: nothing may be acked yet
+    tracker.done(0)
+    assert tracker.take_ack() == 2
+    assert tracker.take_ack() is None  # nothing new since
+    tracker.done(4)
+    assert tracker.take_ack() is None
+    tracker.done(3)
+    assert tracker.take_ack() == 4
+    assert tracker.outstanding == 0
+
+
+def test_ack_tracker_starts_at_the_first_batch_it_sees() -> None:
+    tracker = AckTracker(KEY, epoch=1)
+    assert tracker.receive(40, 2) == [40, 41]
+    tracker.done(41)
+    tracker.done(40)
+    assert tracker.take_ack() == 41
+
+
+def test_ack_tracker_resent_batch_repeats_known_sequences() -> None:
+    tracker = AckTracker(KEY, epoch=1)
+    tracker.receive(0, 3)
+    tracker.done(0)
+    assert tracker.take_ack() == 0
+    # The broker resends 1..4 (it never saw 3 and 4 arrive); 1 and 2 are already here.
+    assert tracker.receive(1, 4) == [3, 4]
+    assert tracker.receive(0, 1) == []  # acked already
+    tracker.done(1)
+    tracker.done(1)  # twice is once
+    tracker.done(2)
+    assert tracker.take_ack() == 2
+
+
+def test_ack_tracker_gap_holds_pulled_and_acks_back() -> None:
+    tracker = AckTracker(KEY, epoch=1)
+    tracker.receive(0, 2)
+    assert tracker.receive(5, 2) == [5, 6]  # 2..4 never arrived (a lost reply)
+    assert tracker.pulled == 1 and tracker.last_received == 6
+    for seq in (0, 1, 5, 6):
+        tracker.done(seq)
+    assert tracker.take_ack() == 1  # 5 and 6 are done, but acking them would ack 2..4 too
+    assert tracker.receive(2, 5) == [2, 3, 4]  # the broker resends after pulled=1
+    assert tracker.pulled == 6
+    for seq in (2, 3, 4):
+        tracker.done(seq)
+    assert tracker.take_ack() == 6
+
+
+def test_ack_tracker_ignores_done_for_sequences_never_received() -> None:
+    tracker = AckTracker(KEY, epoch=1)
+    tracker.done(0)  # nothing received yet
+    tracker.receive(3, 2)
+    tracker.done(2)  # below the first batch
+    tracker.done(9)  # above anything received
+    assert tracker.take_ack() is None
+    tracker.done(3)
+    assert tracker.take_ack() == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 60), st.integers(0, 2**32), st.integers(1, 8))
+def test_ack_tracker_never_acks_past_an_unfinished_sequence(count: int, seed: int, batch: int) -> None:
+    """Whatever the order of completions and however the batches repeat, every ack is a prefix of
+    finished sequences, acks only grow, and the last one covers everything."""
+    rng = random.Random(seed)
+    tracker = AckTracker(KEY, epoch=1)
+    first = rng.randrange(0, 100)
+    for start in range(first, first + count, batch):  # batches, some of them twice (resends)
+        n = min(batch, first + count - start)
+        tracker.receive(start, n)
+        if rng.random() < 0.3:
+            tracker.receive(max(first, start - rng.randrange(0, batch)), n)
+    order = list(range(first, first + count))
+    rng.shuffle(order)
+    finished: set[int] = set()
+    last_ack = first - 1
+    for seq in order:
+        tracker.done(seq)
+        finished.add(seq)
+        ack = tracker.take_ack()
+        if ack is not None:
+            assert ack > last_ack
+            assert all(s in finished for s in range(first, ack + 1))
+            last_ack = ack
+    assert last_ack == first + count - 1
+    assert tracker.outstanding == 0
+
+
+# ---- SubscriptionState ----------------------------------------------------------------------------
+
+A = "127.0.0.1:20881"
+B = "127.0.0.1:20882"
+
+
+def message(mid: str, body=b"x", *, attempt: int = 1, subject: str = "order.created", **extra) -> dict:
+    payload = envelope.encode(body, headers={"h": "1"}, created_at=1_700_000_000_000)
+    return {"id": mid, "subject": subject, "payload": payload, "key": extra.get("key"),
+            "tags": extra.get("tags", []), "attempt": attempt, "stored_at": 1_700_000_000_500}
+
+
+def batch(stored: str, first: int, ids: list[str], *, resent: bool = False, group: str = "billing") -> dict:
+    return {"subject": stored, "group": group, "first_pull": first, "resent": resent,
+            "messages": [message(i) for i in ids]}
+
+
+@pytest.fixture
+def state() -> SubscriptionState:
+    return SubscriptionState(SubscribeOptions("order.created", "billing", "c1", tags=("new",)))
+
+
+def test_pull_request_names_what_was_received(state: SubscriptionState) -> None:
+    body = state.pull_request(A, 64, 2.5)
+    assert body == {"subject": "order.created", "group": "billing", "consumer": "c1", "max": 64, "wait_ms": 2500,
+                    "tags": ["new"], "match_all": False, "broadcast": False, "start": "latest", "pulled": {}}
+    retry = "%RETRY%order.created%billing"
+    state.accept(A, {"batches": [batch(retry, 0, ["r1"]), batch("order.created", 7, ["m1", "m2"])]})
+    assert state.pull_request(A, 10, 0)["pulled"] == {retry: 0, "order.created": 8}
+    assert state.pull_request(B, 10, 0)["pulled"] == {}  # another broker's sequences are its own
+    assert state.pull_request(A, 10_000, 99)["max"] == 4096
+    assert state.pull_request(A, 10, 99)["wait_ms"] == 30_000
+
+
+def test_accept_decodes_deliveries(state: SubscriptionState) -> None:
+    reply = {"batches": [{"subject": "order.created", "group": "billing", "first_pull": 3, "resent": False,
+                          "messages": [message("m1", {"id": 7}, key="7", tags=["new"])]}]}
+    [d] = state.accept(A, reply)
+    assert (d.id, d.subject, d.body, d.content_type) == ("m1", "order.created", {"id": 7}, envelope.JSON)
+    assert d.headers == {"h": "1"} and d.tags == ("new",) and d.key == "7" and d.attempt == 1
+    assert d.created_at == datetime(2023, 11, 14, 22, 13, 20, tzinfo=UTC)
+    assert d.stored_at == datetime(2023, 11, 14, 22, 13, 20, 500000, tzinfo=UTC)
+    assert (d.broker, d.stored_subject, d.group_key, d.consumer, d.pull_seq) == (A, "order.created", "billing",
+                                                                                 "c1", 3)
+    assert not d.is_retry
+
+
+def test_foreign_payload_is_bytes(state: SubscriptionState) -> None:
+    raw = msgpack.packb({"not": "an envelope"})
+    reply = {"batches": [{"subject": "order.created", "group": "billing", "first_pull": 0,
+                          "messages": [{"id": "x", "subject": "order.created", "payload": raw, "attempt": 1,
+                                        "stored_at": 1}]}]}
+    [d] = state.accept(A, reply)
+    assert d.body == raw and d.content_type == envelope.BYTES and d.created_at is None
+
+
+def test_acks_are_prefixes_per_broker_and_stored_subject(state: SubscriptionState) -> None:
+    retry = "%RETRY%order.created%billing"
+    ds = state.accept(A, {"batches": [batch(retry, 0, ["r1"]), batch("order.created", 0, ["m1", "m2", "m3"])]})
+    ds += state.accept(B, {"batches": [batch("order.created", 5, ["n1"])]})
+    by_id = {d.id: d for d in ds}
+    for mid in ("m3", "m1", "r1", "n1"):
+        assert state.done(by_id[mid])
+    assert state.take_acks() == {
+        A: [[retry, "billing", "c1", 0], ["order.created", "billing", "c1", 0]],
+        B: [["order.created", "billing", "c1", 5]],
+    }
+    assert state.outstanding == 1
+    state.done(by_id["m2"])
+    assert state.take_acks() == {A: [["order.created", "billing", "c1", 2]]}
+    assert state.take_acks() == {}
+
+
+def test_resent_batch_hands_out_only_what_is_new(state: SubscriptionState) -> None:
+    first = state.accept(A, {"batches": [batch("order.created", 0, ["m1", "m2"])]})
+    again = state.accept(A, {"batches": [batch("order.created", 0, ["m1", "m2", "m3"], resent=True)]})
+    assert [d.id for d in first] == ["m1", "m2"]
+    assert [d.id for d in again] == ["m3"]
+
+
+def test_dropped_tracker_makes_its_deliveries_stale_and_is_resent_from_scratch(state: SubscriptionState) -> None:
+    [d1, d2] = state.accept(A, {"batches": [batch("order.created", 0, ["m1", "m2"])]})
+    state.done(d1)
+    acks = state.take_acks()
+    assert state.drop(A, acks[A]) == 1  # the ack failed: forget, the broker resends
+    assert not state.is_current(d2) and not state.done(d2)
+    assert state.pull_request(A, 10, 0)["pulled"] == {}  # so the broker starts at its ack point
+    [r1, r2] = state.accept(A, {"batches": [batch("order.created", 0, ["m1", "m2"], resent=True)]})
+    assert state.is_current(r1) and not state.is_current(d1)
+    state.done(r2)
+    state.done(d2)  # the stale one changes nothing
+    assert state.take_acks() == {}
+    state.done(r1)
+    assert state.take_acks() == {A: [["order.created", "billing", "c1", 1]]}
+
+
+def test_reply_to_a_pull_made_before_a_drop_is_ignored(state: SubscriptionState) -> None:
+    state.accept(A, {"batches": [batch("order.created", 0, ["m1"])]})
+    generation = state.generation(A)
+    state.pull_request(A, 10, 1)  # in flight with pulled = {order.created: 0}
+    state.drop(A)
+    # Its messages follow pull sequence 0, which nobody acknowledged: a tracker starting at 1 would
+    # acknowledge 0 with its first ack. The reply is dropped; the next pull gets 0 and 1 again.
+    assert state.accept(A, {"batches": [batch("order.created", 1, ["m2"])]}, generation) == []
+    assert state.pull_request(A, 10, 1)["pulled"] == {}
+    assert [d.id for d in state.accept(A, {"batches": [batch("order.created", 0, ["m1", "m2"], resent=True)]},
+                                       state.generation(A))] == ["m1", "m2"]
+
+
+def test_broker_that_forgot_the_consumer_resets_the_tracker(state: SubscriptionState) -> None:
+    [d1, _] = state.accept(A, {"batches": [batch("order.created", 0, ["m1", "m2"])]})
+    # New messages numbered from 0 again: the broker lost its pull log for this consumer.
+    assert state.accept(A, {"batches": [batch("order.created", 0, ["m9"])]}) == []
+    assert not state.is_current(d1)
+    assert state.pull_request(A, 10, 0)["pulled"] == {}
+
+
+def test_nack_and_heartbeat_requests(state: SubscriptionState) -> None:
+    retry = "%RETRY%order.created%billing"
+    [d] = state.accept(A, {"batches": [{"subject": retry, "group": "billing", "first_pull": 4,
+                                        "messages": [message("m1", attempt=2)]}]})
+    assert d.is_retry and d.attempt == 2
+    assert state.nack_request(d, 1.5, reason="boom") == {"nacks": [{
+        "subject": retry, "group": "billing", "consumer": "c1", "pull_seq": 4, "attempt": 2, "delay_ms": 1500,
+        "dead": False, "reason": "boom"}]}
+    assert state.nack_request(d, 0, dead=True, max_attempts=3)["nacks"][0]["max_attempts"] == 3
+    with pytest.raises(ValueError):
+        state.nack_request(d, -1)
+    with pytest.raises(ValueError):
+        state.nack_request(d, float("nan"))
+    assert state.heartbeat_requests() == {A: {"consumers": [[retry, "billing", "c1"]]}}
+
+
+def test_subscribe_options_are_checked() -> None:
+    assert SubscribeOptions("s", "g").consumer  # a default consumer id that the broker accepts
+    with pytest.raises(ValueError, match="group"):
+        SubscribeOptions("s", "bad group")
+    with pytest.raises(ValueError, match="consumer"):
+        SubscribeOptions("s", "g", consumer="a b")
+    with pytest.raises(ValueError, match="subject"):
+        SubscribeOptions("%RETRY%s%g", "g")
+    with pytest.raises(ValueError, match="start"):
+        SubscribeOptions("s", "g", start="middle")
+    with pytest.raises(ValueError, match="tag"):
+        SubscribeOptions("s", "g", tags=("a b",))
+
+
+def test_pull_retry_delay_backs_off() -> None:
+    delays = [pull_retry_delay_s(n) for n in range(1, 10)]
+    assert delays[0] == 0  # a lost connection is reopened at once
+    assert delays == sorted(delays) and delays[-1] == 5.0
+
+
+# ---- sending --------------------------------------------------------------------------------------
+
+G1 = {"name": "g1", "addresses": ["127.0.0.1:1"], "available": True, "read_only": False}
+G2 = {"name": "g2", "addresses": ["127.0.0.1:2"], "available": True, "read_only": False}
+
+
+def route(*groups: dict, subject: str = "s"):
+    return parse_route(subject, {"subject": subject, "groups": list(groups)})
+
+
+def messages(n: int, subject: str = "s") -> list[OutgoingMessage]:
+    return [OutgoingMessage(subject, f"body {i}") for i in range(n)]
+
+
+def test_wire_message_wraps_the_body_in_the_envelope() -> None:
+    wire = wire_message("s", {"a": 1}, key="k", tags=["t"], headers={"h": "v"}, message_id="id-1", created_at=5)
+    assert {k: v for k, v in wire.items() if k != "payload"} == {"id": "id-1", "subject": "s", "key": "k",
+                                                                   "tags": ["t"]}
+    assert envelope.decode(wire["payload"]) == (
+        {"a": 1}, envelope.JSON, {"h": "v"}, 5, b'{"a":1}')
+    with pytest.raises(InvalidMessage) as info:
+        wire_message("%DEAD%s%g", b"")
+    assert info.value.code == ErrorCode.BAD_SUBJECT
+    with pytest.raises(InvalidMessage):
+        wire_message("s", b"", tags=["a b"])
+    with pytest.raises(InvalidMessage):
+        wire_message("s", b"", key="k" * 300)
+    with pytest.raises(TypeError):
+        wire_message("s", object())
+
+
+def test_send_job_merges_stored_and_rejected() -> None:
+    job = SendJob(messages(4), batch_size=10)
+    [batch_] = job.plan({"s": route(G1)})
+    assert batch_.group == "g1" and batch_.indices == [0, 1, 2, 3]
+    assert [m["id"] for m in batch_.body["messages"]] == [m.id for m in job.messages]
+    job.on_reply(batch_, {"stored": 2, "rejected": [[1, ErrorCode.MESSAGE_TOO_LARGE, "too big"],
+                                                    [3, ErrorCode.BAD_REQUEST, "bad tag"]]})
+    assert job.done
+    results = job.results()
+    assert [r.ok for r in results] == [True, False, True, False]
+    assert results[0].group == "g1" and results[0].message_id == job.messages[0].id
+    assert results[1].error_code == ErrorCode.MESSAGE_TOO_LARGE and "too big" in results[1].error
+    assert results[3].error.startswith("BAD_REQUEST")
+
+
+def test_send_job_reports_invalid_messages_without_sending_them() -> None:
+    job = SendJob([OutgoingMessage("s", "ok"), OutgoingMessage("bad subject", "x"),
+                   OutgoingMessage("s", "x", tags=["a b"])])
+    [batch_] = job.plan({"s": route(G1)})
+    assert batch_.indices == [0]
+    job.on_reply(batch_, {"stored": 1, "rejected": []})
+    codes = [r.error_code for r in job.results()]
+    assert codes == [None, ErrorCode.BAD_SUBJECT, ErrorCode.BAD_REQUEST]
+
+
+def test_send_job_retries_on_another_group_with_the_same_id() -> None:
+    job = SendJob(messages(20))
+    routes = {"s": route(G1, G2)}
+    batches = job.plan(routes)
+    assert {b.group for b in batches} == {"g1", "g2"}  # spread over both by message id
+    failed = next(b for b in batches if b.group == "g1")
+    ok = next(b for b in batches if b.group == "g2")
+    job.on_reply(ok, {"stored": len(ok.indices), "rejected": []})
+    assert job.on_error(failed, ConnectionError("connection to 127.0.0.1:1 was lost"))
+    assert not job.done
+    [retry] = job.plan(routes)
+    assert retry.group == "g2" and retry.indices == failed.indices
+    assert [m["id"] for m in retry.body["messages"]] == [m["id"] for m in failed.body["messages"]]
+    assert job.retry_delay_s == 0  # a group not tried yet: no need to wait
+    job.on_reply(retry, {"stored": len(retry.indices), "rejected": []})
+    results = job.results()
+    assert all(r.ok for r in results)
+    assert {results[i].group for i in failed.indices} == {"g2"}
+
+
+@pytest.mark.parametrize("error", [
+    RemoteError(ErrorCode.READ_ONLY, "read-only"), RemoteError(ErrorCode.UNAVAILABLE, "store"),
+    RemoteError(ErrorCode.TIMEOUT, "slow"), TimeoutError("no reply"), ConnectionRefusedError(111, "refused"),
+])
+def test_send_job_retriable_errors(error: BaseException) -> None:
+    job = SendJob(messages(1))
+    [b] = job.plan({"s": route(G1, G2)})
+    assert job.on_error(b, error)
+    [again] = job.plan({"s": route(G1, G2)})
+    assert again.group != b.group
+
+
+def test_send_job_final_errors_are_not_retried() -> None:
+    job = SendJob(messages(2))
+    [b] = job.plan({"s": route(G1)})
+    assert not job.on_error(b, RemoteError(ErrorCode.UNAUTHORIZED, "wrong token"))
+    assert job.done and all(r.error_code == ErrorCode.UNAUTHORIZED for r in job.results())
+
+
+def test_send_job_rejection_with_a_retriable_code_is_retried() -> None:
+    job = SendJob(messages(1))
+    routes = {"s": route(G1, G2)}
+    [b] = job.plan(routes)
+    job.on_reply(b, {"stored": 0, "rejected": [[0, ErrorCode.UNAVAILABLE, "disk full"]]})
+    assert not job.done
+    [again] = job.plan(routes)
+    assert again.group != b.group
+
+
+def test_send_job_gives_up_after_its_attempts_naming_the_last_error() -> None:
+    job = SendJob(messages(1), max_attempts=3)
+    routes = {"s": route(G1, G2)}
+    groups = []
+    for _ in range(3):
+        [b] = job.plan(routes)
+        groups.append(b.group)
+        job.on_error(b, ConnectionError(f"lost {b.group}"))
+    assert sorted(groups[:2]) == ["g1", "g2"]
+    assert job.retry_delay_s == RETRY_DELAY_S  # the third attempt goes back to a group that failed
+    assert job.plan(routes) == [] and job.done
+    [result] = job.results()
+    assert not result.ok and result.error_code == ErrorCode.UNAVAILABLE
+    assert "3 attempts" in result.error and f"lost {groups[-1]}" in result.error
+
+
+def test_send_job_skips_read_only_and_unavailable_groups() -> None:
+    read_only = {**G1, "read_only": True}
+    down = {**G2, "available": False}
+    job = SendJob(messages(10))
+    [b] = job.plan({"s": route(read_only, {**G2, "name": "g3"})})
+    assert b.group == "g3"
+    job2 = SendJob(messages(1))
+    assert job2.plan({"s": route(read_only, down)}) == []
+    [result] = job2.results()
+    assert result.error_code == ErrorCode.UNAVAILABLE and "no writable broker group" in result.error
+
+
+def test_send_job_fails_a_subject_without_a_route() -> None:
+    job = SendJob(messages(2, "a") + messages(1, "b"))
+    assert job.pending_subjects() == {"a", "b"}
+    job.fail_subject("a", ErrorCode.UNAVAILABLE, "cannot reach the meta server at x:1: refused")
+    assert job.pending_subjects() == {"b"}
+    [b] = job.plan({"b": route(G1, subject="b")})
+    job.on_reply(b, {"stored": 1, "rejected": []})
+    assert [r.ok for r in job.results()] == [False, False, True]
+
+
+def test_send_job_batches_by_count_and_bytes() -> None:
+    job = SendJob(messages(10), batch_size=4)
+    assert [len(b.indices) for b in job.plan({"s": route(G1)})] == [4, 4, 2]
+    big = [OutgoingMessage("s", b"x" * 600) for _ in range(5)]
+    job = SendJob(big, batch_size=64, max_batch_bytes=1500)
+    assert [len(b.indices) for b in job.plan({"s": route(G1)})] == [2, 2, 1]
+
+
+def test_choose_group_spreads_and_avoids_suspects() -> None:
+    r = route(G1, G2)
+    ids = [OutgoingMessage("s", "").id for _ in range(200)]
+    counts = {"g1": 0, "g2": 0}
+    for mid in ids:
+        group, again = choose_group(r, mid)
+        counts[group.name] += 1
+        assert not again
+    assert min(counts.values()) > 50
+    health = GroupHealth(suspect_for_s=5)
+    health.failed("g1", now=100.0)
+    assert all(choose_group(r, mid, health=health, now=101.0)[0].name == "g2" for mid in ids[:20])
+    assert {choose_group(r, mid, health=health, now=106.0)[0].name for mid in ids} == {"g1", "g2"}
+    group, again = choose_group(r, ids[0], tried=["g1", "g2"])
+    assert again and group is not None
+    assert choose_group(route(), ids[0]) == (None, False)
+
+
+# ---- routes ---------------------------------------------------------------------------------------
+
+
+def test_routes_parse_cache_and_static() -> None:
+    r = parse_route("s", {"subject": "s", "groups": [G1, {**G2, "read_only": True}], "delay_servers": []})
+    assert [g.name for g in r.groups] == ["g1", "g2"] and [g.name for g in r.writable_groups] == ["g1"]
+    cache = RouteCache(ttl_s=30, empty_ttl_s=1)
+    cache.put(r, now=0)
+    assert cache.fresh("s", 29) is r and cache.fresh("s", 30) is None and cache.stale("s") is r
+    cache.invalidate(["s"])
+    assert cache.fresh("s", 1) is None and cache.stale("s") is r
+    cache.put(route(subject="t"), now=0)  # no group: asked again soon
+    assert cache.fresh("t", 0.5) is not None and cache.fresh("t", 1) is None
+    static = static_route("s", ["127.0.0.1:1", "127.0.0.1:2"])
+    assert [(g.name, g.addresses) for g in static.writable_groups] == [("127.0.0.1:1", ("127.0.0.1:1",)),
+                                                                      ("127.0.0.1:2", ("127.0.0.1:2",))]
+    assert parse_address("localhost:20880") == ("localhost", 20880)
+    assert parse_address("[::1]:5") == ("::1", 5)
+    for bad in ("localhost", ":1", "h:0", "h:x", "h:70000"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
