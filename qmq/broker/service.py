@@ -47,7 +47,7 @@ from qmq.protocol.limits import (
     validate_tags,
 )
 from qmq.store import record as rec
-from qmq.store.store import Appended, LogStore, Message, StoreError
+from qmq.store.store import LogStore, Message, StoreError
 
 log = logging.getLogger("qmq.broker")
 
@@ -125,7 +125,8 @@ class BrokerService:
         self._valid_subjects: set[str] = set()
         self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)
         self._retry_wakeup: asyncio.Event | None = None
-        self._sends: list[tuple[list[Message], asyncio.Future[list[Appended]]]] = []  # waiting for _store_sends
+        self._sends: list[tuple[list[Message], asyncio.Future[None]]] = []  # waiting for _store_sends
+        self._settling: set[asyncio.Task[None]] = set()  # sends appended, waiting to be durable
         self._tasks: list[asyncio.Task[None]] = []
         self._handlers = {
             RequestCode.PING: self._ping,
@@ -330,20 +331,24 @@ class BrokerService:
             except ProtocolError as exc:
                 rejected.append([index, int(exc.code), exc.message])
         if batch:
-            appended = await self._append_soon(batch)
-            await self._durable(appended[-1].end)
-            counts = Counter(m.subject for m in batch)
-            self._wake(counts)
-            for subject, count in counts.items():
-                metrics.stored(subject).inc(count)
+            await self._store_soon(batch)
+            subjects = [batch[0].subject] if len(batch) == 1 else Counter(m.subject for m in batch)
+            self._wake(subjects)
+            if len(batch) == 1:
+                metrics.stored(batch[0].subject).inc()
+            else:
+                for subject, count in subjects.items():
+                    metrics.stored(subject).inc(count)
         return {"stored": len(batch), "rejected": rejected}
 
-    def _append_soon(self, batch: list[Message]) -> asyncio.Future[list[Appended]]:
-        """Append `batch` together with every other send of this loop iteration: many small requests
-        in flight cost one store append (one write per log) instead of one each."""
-        future = asyncio.get_running_loop().create_future()
+    def _store_soon(self, batch: list[Message]) -> asyncio.Future[None]:
+        """Store `batch` together with every other send of this loop iteration, and resolve once all of
+        them are durable: many small requests in flight cost one store append (one write per log) and
+        one durability wait, instead of one each."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         if not self._sends:
-            asyncio.get_running_loop().call_soon(self._store_sends)
+            loop.call_soon(self._store_sends)
         self._sends.append((batch, future))
         return future
 
@@ -355,10 +360,22 @@ class BrokerService:
             for _, future in sends:
                 future.set_exception(RemoteError(ErrorCode.UNAVAILABLE, f"the broker cannot store messages: {exc}"))
             return
-        start = 0
-        for batch, future in sends:
-            future.set_result(appended[start:start + len(batch)])
-            start += len(batch)
+        task = asyncio.get_running_loop().create_task(self._settle_sends([f for _, f in sends], appended[-1].end))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle_sends(self, futures: list[asyncio.Future[None]], end: int) -> None:
+        try:
+            await self._durable(end)
+        except Exception as exc:
+            error = RemoteError(ErrorCode.UNAVAILABLE, f"the broker could not make messages durable: {exc}")
+            for future in futures:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        for future in futures:
+            if not future.done():
+                future.set_result(None)
 
     def _message(self, item: Any) -> Message:
         if not isinstance(item, dict):

@@ -40,6 +40,8 @@ REQUEST = Flags(0)  # no bits: a request that expects a reply
 KNOWN_FLAGS = Flags.RESPONSE | Flags.ERROR | Flags.ONEWAY
 # The only meaningful combinations: a request, a one-way request, a reply, an error reply.
 VALID_FLAG_SETS = frozenset({REQUEST, Flags.ONEWAY, Flags.RESPONSE, Flags.RESPONSE | Flags.ERROR})
+_VALID_RAW_FLAGS = frozenset(int(f) for f in VALID_FLAG_SETS)  # ints: enum arithmetic costs µs per frame
+_RESPONSE, _ERROR, _ONEWAY = int(Flags.RESPONSE), int(Flags.ERROR), int(Flags.ONEWAY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,21 +50,21 @@ class Frame:
 
     code: int
     request_id: int
-    flags: Flags
+    flags: int  # a combination of `Flags`, kept as a plain int
     body: dict[str, Any] | None
     version: int = PROTOCOL_VERSION
 
     @property
     def is_response(self) -> bool:
-        return bool(self.flags & Flags.RESPONSE)
+        return bool(self.flags & _RESPONSE)
 
     @property
     def is_error(self) -> bool:
-        return bool(self.flags & Flags.ERROR)
+        return bool(self.flags & _ERROR)
 
     @property
     def oneway(self) -> bool:
-        return bool(self.flags & Flags.ONEWAY)
+        return bool(self.flags & _ONEWAY)
 
 
 def encode_frame(
@@ -84,7 +86,7 @@ def encode_frame(
         raise ValueError(f"code {code} is not a u16")
     if not 0 <= request_id <= MAX_REQUEST_ID:
         raise ValueError(f"request id {request_id} is not a u32")
-    if flags not in VALID_FLAG_SETS:
+    if flags not in _VALID_RAW_FLAGS:
         raise ValueError(f"flags {flags!r} are not a valid combination")
     if body is not None and not isinstance(body, dict):
         raise ValueError(f"a body must be a dict or None, not {type(body).__name__}")
@@ -184,11 +186,11 @@ class FrameDecoder:
                 ErrorCode.UNSUPPORTED_VERSION,
                 f"frame version {version}, this peer speaks version {PROTOCOL_VERSION}",
             )
-        if raw_flags & ~int(KNOWN_FLAGS):
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"undefined flag bits 0x{raw_flags:04x}")
-        flags = Flags(raw_flags)
-        if flags not in VALID_FLAG_SETS:
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"flags {flags!r} are not a valid combination")
+        if raw_flags not in _VALID_RAW_FLAGS:
+            if raw_flags & ~int(KNOWN_FLAGS):
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"undefined flag bits 0x{raw_flags:04x}")
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"flags {Flags(raw_flags)!r} are not a valid combination")
+        flags = raw_flags
         end = LENGTH_BYTES + length
         if len(buffer) < end:
             return None
