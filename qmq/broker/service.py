@@ -301,7 +301,7 @@ class BrokerService:
     async def handle(self, request: Request, peer: PeerInfo) -> dict[str, Any] | None:
         handler = self._handlers.get(request.code)
         name = _request_name(request.code)
-        metrics.request(name).inc()
+        metrics.HOT.requests[name] += 1
         try:
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"the broker has no request code {request.code}")
@@ -335,10 +335,9 @@ class BrokerService:
             subjects = [batch[0].subject] if len(batch) == 1 else Counter(m.subject for m in batch)
             self._wake(subjects)
             if len(batch) == 1:
-                metrics.stored(batch[0].subject).inc()
+                metrics.HOT.stored[batch[0].subject] += 1
             else:
-                for subject, count in subjects.items():
-                    metrics.stored(subject).inc(count)
+                metrics.HOT.stored.update(subjects)
         return {"stored": len(batch), "rejected": rejected}
 
     def _store_soon(self, batch: list[Message]) -> asyncio.Future[None]:
