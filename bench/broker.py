@@ -6,6 +6,7 @@ in this process, both on this machine (so they share its cores).
     .venv/bin/python bench/broker.py produce-single  # one message per request, pipelined, 4 connections
     .venv/bin/python bench/broker.py consume         # one group, batched pulls and prefix acks
     .venv/bin/python bench/broker.py latency         # send to receipt at 1,000 msg/s: p50/p99
+    .venv/bin/python bench/broker.py client          # produce and consume through qmq.client
 
 Targets (issue 3): produce >= 100,000 msg/s; single-message pipelined >= 30,000 msg/s; consume >=
 100,000 msg/s; end-to-end p99 < 5 ms at 1,000 msg/s. A message counts as produced once the broker
@@ -180,10 +181,45 @@ async def latency(port: int, rate: int, seconds: float, size: int) -> dict:
             "p99_ms": delays[int(len(delays) * 0.99)] * 1000, "max_ms": delays[-1] * 1000}
 
 
+async def client_produce(port: int, total: int, batch: int, size: int, inflight: int) -> dict:
+    """The same workload through the client library (`AsyncClient.send`: envelopes, UUIDv7 ids,
+    per-message results), `inflight` send() calls of `batch` messages at once."""
+    from qmq.client import AsyncClient, OutgoingMessage
+    body = os.urandom(size)
+    sent = 0
+    async with AsyncClient(brokers=[f"{HOST}:{port}"]) as client:
+        async def worker() -> None:
+            nonlocal sent
+            while sent < total:
+                sent += batch
+                results = await client.send([OutgoingMessage("bench", body) for _ in range(batch)])
+                assert all(r.ok for r in results), results[0]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(inflight)))
+        elapsed = time.perf_counter() - t0
+    return {"messages": sent, "seconds": elapsed, "rate": sent / elapsed}
+
+
+async def client_consume(port: int, total: int, max_pull: int) -> dict:
+    """Consume through the client library: one subscription, pull, ack each delivery (acks batched)."""
+    from qmq.client import AsyncClient
+    got = 0
+    async with AsyncClient(brokers=[f"{HOST}:{port}"]) as client:
+        subscription = await client.subscribe("bench", "bench-client", start="earliest")
+        t0 = time.perf_counter()
+        while got < total:
+            for delivery in await subscription.pull(max_pull, 1.0):
+                await subscription.ack(delivery)
+                got += 1
+        await subscription.close()
+        elapsed = time.perf_counter() - t0
+    return {"messages": got, "seconds": elapsed, "rate": got / elapsed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("case", nargs="?", default="all",
-                        choices=["all", "produce", "produce-single", "consume", "latency"])
+                        choices=["all", "produce", "produce-single", "consume", "latency", "client"])
     parser.add_argument("--flush", default="sync", choices=["sync", "async"])
     parser.add_argument("--messages", type=int, default=300_000)
     parser.add_argument("--size", type=int, default=1024)
@@ -195,7 +231,7 @@ def main() -> None:
         pass
     print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, flush {args.flush}, "
           f"{args.size} B messages")
-    cases = ["produce", "produce-single", "consume", "latency"] if args.case == "all" else [args.case]
+    cases = ["produce", "produce-single", "consume", "latency", "client"] if args.case == "all" else [args.case]
     for case in cases:
         broker = BrokerProcess(args.flush)
         try:
@@ -216,6 +252,13 @@ def main() -> None:
                 r = asyncio.run(latency(broker.port, 1000, 10, args.size))
                 print(f"latency        1,000 msg/s for 10 s: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
                       f"max {r['max_ms']:.2f} ms")
+            elif case == "client":
+                for inflight in (8, 32):
+                    r = asyncio.run(client_produce(broker.port, args.messages, 64, args.size, inflight=inflight))
+                    print(f"client send    AsyncClient.send, batch 64, {inflight:>2} in flight: "
+                          f"{r['rate']:>9,.0f} msg/s")
+                r = asyncio.run(client_consume(broker.port, args.messages, 1024))
+                print(f"client consume AsyncSubscription pull + ack each:      {r['rate']:>9,.0f} msg/s")
         finally:
             broker.stop()
 

@@ -202,6 +202,8 @@ def choose_group(route: Route, message_id: str, *, tried: Sequence[str] = (), he
     writable = route.writable_groups
     if not writable:
         return None, False
+    if len(writable) == 1 and not tried and (health is None or not health.suspect(writable[0].name, now)):
+        return writable[0], False
     untried = [g for g in writable if g.name not in tried]
     candidates, again = (untried, False) if untried else (list(writable), True)
     if health is not None:

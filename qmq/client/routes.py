@@ -11,6 +11,7 @@ and keep them in a `RouteCache`, which says when a route is too old to use witho
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class Route:
     subject: str
     groups: tuple[RouteGroup, ...]
 
-    @property
+    @functools.cached_property
     def writable_groups(self) -> tuple[RouteGroup, ...]:
         return tuple(g for g in self.groups if g.writable)
 
