@@ -15,7 +15,7 @@ from qmq import metrics as prometheus
 from qmq.broker import metrics
 from qmq.broker.service import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerService
 from qmq.meta.membership import Membership
-from qmq.net.server import Server
+from qmq.net.server import Server, run_process
 from qmq.store.flush import FlushMode
 from qmq.store.store import LogStore, StoreConfig
 
@@ -84,11 +84,5 @@ def _set_read_only(service: BrokerService, read_only: bool) -> None:
 
 
 def run(data_dir: str | Path, **kwargs) -> None:
-    """`serve_broker` on uvloop when it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve_broker(data_dir, **kwargs))
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve_broker(data_dir, **kwargs))
+    """The `qmq broker` process: `serve_broker` on uvloop when it is installed."""
+    run_process(serve_broker(data_dir, **kwargs))

@@ -30,7 +30,7 @@ from qmq.meta.registry import (
     UnknownGroup,
 )
 from qmq.meta.schema import ADDRESS_LEN, KINDS, NAME_LEN
-from qmq.net.server import PeerInfo, Server
+from qmq.net.server import PeerInfo, Server, run_process
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.connection import Request
 from qmq.protocol.errors import ErrorCode, ProtocolError
@@ -318,10 +318,4 @@ async def serve_meta(
 
 def run(db_url: str, **kwargs: Any) -> None:
     """The `qmq meta` process: `serve_meta` on uvloop when it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve_meta(db_url, **kwargs))
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve_meta(db_url, **kwargs))
+    run_process(serve_meta(db_url, **kwargs))

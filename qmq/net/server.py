@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,3 +269,14 @@ class _ServerConnection:
             async with asyncio.timeout(CLOSE_LINGER_S):
                 while await self.reader.read(READ_CHUNK_BYTES):
                     pass
+
+
+def run_process(main: Coroutine[Any, Any, None]) -> None:
+    """Run a server process's main coroutine to the end, on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
