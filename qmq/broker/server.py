@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from qmq import metrics as prometheus
 from qmq.broker import metrics
 from qmq.broker.service import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerService
 from qmq.meta.membership import Membership
-from qmq.net.server import Server, run_process
+from qmq.net.server import Server, run_process, stop_on_signals
 from qmq.store.flush import FlushMode
 from qmq.store.store import LogStore, StoreConfig
 
@@ -49,11 +48,8 @@ async def serve_broker(
         await server.start()
         address = advertise or f"{host}:{server.port}"
         service.group_name = group or f"broker-{server.port}"
-        loop = asyncio.get_running_loop()
         if stop is None:
-            stop = asyncio.Event()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
+            stop = stop_on_signals()
         if metrics_port is not None:
             metrics_port = prometheus.serve(metrics.REGISTRY, host, metrics_port)
             log.info("metrics on http://%s:%d/metrics", host, metrics_port)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -30,7 +29,7 @@ from qmq.meta.registry import (
     UnknownGroup,
 )
 from qmq.meta.schema import ADDRESS_LEN, KINDS, NAME_LEN
-from qmq.net.server import PeerInfo, Server, run_process
+from qmq.net.server import PeerInfo, Server, run_process, stop_on_signals
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.connection import Request
 from qmq.protocol.errors import ErrorCode, ProtocolError
@@ -289,11 +288,8 @@ async def serve_meta(
     engine = create_engine(db_url)
     log.info("database %s at revision %s", safe_url(engine), revision)
     service = MetaService(Registry(engine, unavailable_after_s=heartbeat_timeout_s))
-    loop = asyncio.get_running_loop()
     if stop is None:
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
     if metrics_port is not None:
         metrics_port = metrics.serve(REGISTRY, host, metrics_port)
         log.info("metrics on http://%s:%d/metrics", host, metrics_port)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -269,6 +270,15 @@ class _ServerConnection:
             async with asyncio.timeout(CLOSE_LINGER_S):
                 while await self.reader.read(READ_CHUNK_BYTES):
                     pass
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT: how a server process learns to shut down cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def run_process(main: Coroutine[Any, Any, None]) -> None:
