@@ -11,9 +11,9 @@ from __future__ import annotations
 from alembic import context
 
 from qmq.db.engine import create_engine
+from qmq.db.metadata import all_tables
 from qmq.db.migrate import QMQ_VERSION_TABLE
 from qmq.db.url import resolve_url
-from qmq.meta.schema import metadata
 
 config = context.config
 
@@ -21,7 +21,7 @@ config = context.config
 def _configure_and_run(connection) -> None:
     context.configure(
         connection=connection,
-        target_metadata=metadata,
+        target_metadata=all_tables(),
         version_table=QMQ_VERSION_TABLE,
         render_as_batch=connection.dialect.name == "sqlite",  # ALTER TABLE on SQLite needs batch mode
     )

@@ -11,11 +11,12 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
+from qmq.db.metadata import metadata  # shared by every qmq table
+
 NAME_LEN = 200  # group names and subjects (the same as qmq.protocol.limits.MAX_SUBJECT_LEN)
 ADDRESS_LEN = 300  # "host:port"
 KINDS = ("broker", "delay")
 
-metadata = sa.MetaData()
 
 group = sa.Table(
     "qmq_meta_group",
