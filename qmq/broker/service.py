@@ -31,7 +31,7 @@ from qmq.broker import journal, metrics, snapshot
 from qmq.broker.consumer_group import ConsumerGroup, Reset, UnknownConsumer
 from qmq.broker.journal import Create, Entry, Fired, GroupAction, Redriven, Schedule
 from qmq.broker.state import BrokerState
-from qmq.broker.system_subjects import dead_subject, delivery, retry_subject, unwrap, wrap
+from qmq.broker.system_subjects import dead_subject, delivery, retry_subject, unwrap, user_subject, wrap
 from qmq.net.server import PeerInfo
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.connection import Request
@@ -47,6 +47,7 @@ from qmq.protocol.limits import (
     validate_tags,
 )
 from qmq.store import record as rec
+from qmq.store.flush import FlushFailed
 from qmq.store.store import LogStore, Message, StoreError
 
 log = logging.getLogger("qmq.broker")
@@ -173,13 +174,17 @@ class BrokerService:
             self._tasks.append(asyncio.create_task(coro))
 
     async def close(self) -> None:
+        """Stop the background tasks and write a last snapshot."""
+        await self.stop_background()
+        await self.take_snapshot()
+
+    async def stop_background(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
-        await self.take_snapshot()
 
     async def take_snapshot(self) -> None:
         data = self.state.to_snapshot()
@@ -268,7 +273,7 @@ class BrokerService:
                 log.warning("consumer %s of group %s on %s silent for %g s: %d unacked messages go back to the "
                             "group", release.consumer, group.group, group.subject, self.consumer_timeout_s,
                             len(messages))
-                self._wake({unwrap_subject(group.subject)})
+                self._wake({user_subject(group.subject)})
                 moved += len(messages)
         return moved
 
@@ -293,9 +298,6 @@ class BrokerService:
                 if not future.done():
                     future.set_result(None)
 
-    async def _durable(self, offset: int) -> None:
-        await self.store.durable(offset)
-
     # ---- requests -------------------------------------------------------------------------------
 
     async def handle(self, request: Request, peer: PeerInfo) -> dict[str, Any] | None:
@@ -308,7 +310,11 @@ class BrokerService:
             body = request.body if request.body is not None else {}
             if not isinstance(body, dict):
                 raise ProtocolError(ErrorCode.BAD_BODY, "the body must be a map", fatal=False)
-            return await handler(body, peer)
+            try:
+                return await handler(body, peer)
+            except (StoreError, FlushFailed) as exc:  # one place for every request that writes
+                log.error("request %s from %s: the store cannot take it: %s", name, peer, exc)
+                raise RemoteError(ErrorCode.UNAVAILABLE, f"the broker's store cannot take this now: {exc}") from None
         except (ProtocolError, RemoteError) as exc:
             metrics.ERRORS.labels(name, ErrorCode(exc.code).name if exc.code in ErrorCode._value2member_map_
                                   else str(exc.code)).inc()
@@ -365,7 +371,7 @@ class BrokerService:
 
     async def _settle_sends(self, futures: list[asyncio.Future[None]], end: int) -> None:
         try:
-            await self._durable(end)
+            await self.store.durable(end)
         except Exception as exc:
             error = RemoteError(ErrorCode.UNAVAILABLE, f"the broker could not make messages durable: {exc}")
             for future in futures:
@@ -424,7 +430,7 @@ class BrokerService:
         while True:
             batches, end = self._take(subject, key, consumer, max_count, tags, match_all, broadcast, start, pulled)
             if end is not None:
-                await self._durable(end)
+                await self.store.durable(end)
             if batches:
                 return {"batches": batches}
             remaining = deadline - asyncio.get_running_loop().time()
@@ -537,7 +543,7 @@ class BrokerService:
             end = self._commit(entries)
             if error is not None:
                 raise error
-            await self._durable(end)
+            await self.store.durable(end)
         elif error is not None:
             raise error
         return {}
@@ -597,7 +603,7 @@ class BrokerService:
             assert self._retry_wakeup is not None
             self._retry_wakeup.set()
         if end:
-            await self._durable(end)
+            await self.store.durable(end)
         return {"outcomes": outcomes}
 
     async def _heartbeat(self, body: dict[str, Any], peer: PeerInfo) -> dict[str, Any]:
@@ -629,7 +635,7 @@ class BrokerService:
             entries.append(Create(subject, group, cursor, False))
         else:
             entries.append(GroupAction(subject, group, Reset(cursor)))
-        await self._durable(self._apply_and_commit(entries))
+        await self.store.durable(self._apply_and_commit(entries))
         log.info("group %s on %s reset to %d", group, subject, cursor)
         return {"cursor": cursor}
 
@@ -664,7 +670,7 @@ class BrokerService:
         if seq > self.state.redriven.get(dead, 0):
             last = self._apply_and_commit([Redriven(dead, seq)])
         if last:
-            await self._durable(last)
+            await self.store.durable(last)
         self._wake({subject})
         log.info("%d dead letters of group %s on %s re-driven", count, group, subject)
         return {"redriven": count}
@@ -695,13 +701,6 @@ class BrokerService:
         return {"group": self.group_name, "read_only": self.read_only,
                 "subjects": {s: {"stored": n} for s, n in subjects.items() if not s.startswith("%")},
                 "groups": groups}
-
-
-def unwrap_subject(stored: str) -> str:
-    """The user subject behind a stored subject (`%RETRY%s%g` -> `s`)."""
-    if stored.startswith("%"):
-        return stored[1:].split("%")[1]
-    return stored
 
 
 @functools.cache

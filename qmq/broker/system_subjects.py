@@ -26,6 +26,11 @@ def dead_subject(subject: str, group_key: str) -> str:
     return f"%DEAD%{subject}%{group_key}"
 
 
+def user_subject(stored: str) -> str:
+    """The producer's subject behind a stored subject (`%RETRY%s%g` -> `s`)."""
+    return stored[1:].split("%")[1] if stored.startswith("%") else stored
+
+
 class Unwrapped(NamedTuple):
     attempt: int  # 1 for a first delivery
     subject: str  # the subject the producer sent to

@@ -1,0 +1,48 @@
+"""A store that can no longer write (here: closed under the broker, as after a failed write) is
+answered with UNAVAILABLE naming the cause, for every kind of request, never with INTERNAL."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from qmq.broker.service import BrokerService
+from qmq.net.server import PeerInfo
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.connection import Request
+from qmq.protocol.errors import ErrorCode, RemoteError
+from qmq.store.store import LogStore
+from tests.support.stores import SMALL
+
+PEER = PeerInfo("127.0.0.1", 1, "test")
+
+
+def test_requests_on_a_store_that_cannot_write_are_unavailable(tmp_path) -> None:
+    async def run() -> None:
+        store = LogStore(tmp_path / "b", SMALL)
+        service = BrokerService(store)
+        service.start()
+
+        async def call(code: int, body: dict) -> dict:
+            return await service.handle(Request(1, code, body), PEER)
+
+        message = {"id": "m1", "subject": "orders", "payload": b"x"}
+        assert (await call(RequestCode.BROKER_SEND, {"messages": [message]}))["stored"] == 1
+        pull = {"subject": "orders", "group": "g", "consumer": "c", "start": "earliest", "wait_ms": 0}
+        [batch] = (await call(RequestCode.BROKER_PULL, pull))["batches"]
+        store.close()
+        requests = [
+            (RequestCode.BROKER_ACK, {"acks": [["orders", "g", "c", batch["first_pull"]]]}),
+            (RequestCode.BROKER_SEND, {"messages": [{**message, "id": "m2"}]}),
+            (RequestCode.BROKER_PULL, {**pull, "group": "new-group"}),  # its creation must be journalled
+            (RequestCode.BROKER_RESET, {"subject": "orders", "group": "g", "to": "earliest"}),
+        ]
+        for code, body in requests:
+            with pytest.raises(RemoteError) as err:
+                await call(code, body)
+            assert err.value.code == ErrorCode.UNAVAILABLE, (code, err.value)
+            assert "closed" in err.value.message
+        await service.stop_background()
+
+    asyncio.run(run())
