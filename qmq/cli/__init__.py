@@ -12,6 +12,7 @@ from qmq.cli.broker import broker
 from qmq.cli.db import db
 from qmq.cli.log import log
 from qmq.cli.meta import meta
+from qmq.cli.relay import relay
 from qmq.cli.send import send
 from qmq.cli.tail import tail
 
@@ -28,3 +29,4 @@ main.add_command(db)
 main.add_command(broker)
 main.add_command(send)
 main.add_command(tail)
+main.add_command(relay)

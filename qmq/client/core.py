@@ -126,18 +126,20 @@ class OutgoingMessage:
     headers: Mapping[str, str] | None = None
     id: str = field(default_factory=new_id)
     created_at: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
+    # Given: `body` is already encoded bytes of this type (an outbox row); None: inferred from the body.
+    content_type: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The message as BROKER_SEND carries it, its body wrapped in the envelope. Raises
         `InvalidMessage` for what a broker would reject, and TypeError for a body that cannot be
         encoded."""
         return wire_message(self.subject, self.body, key=self.key, tags=self.tags, headers=self.headers,
-                            message_id=self.id, created_at=self.created_at)
+                            message_id=self.id, created_at=self.created_at, content_type=self.content_type)
 
 
 def wire_message(subject: str, body: Any, *, key: str | None = None, tags: Sequence[str] = (),
                  headers: Mapping[str, str] | None = None, message_id: str | None = None,
-                 created_at: int | None = None) -> dict[str, Any]:
+                 created_at: int | None = None, content_type: str | None = None) -> dict[str, Any]:
     """`{"id", "subject", "payload", "key", "tags"}` for BROKER_SEND; see `OutgoingMessage.to_wire`."""
     message_id = message_id or new_id()
     try:
@@ -151,7 +153,8 @@ def wire_message(subject: str, body: Any, *, key: str | None = None, tags: Seque
         raise InvalidMessage(ErrorCode.BAD_REQUEST, f"key must be a string of at most {MAX_KEY_LEN} bytes")
     if created_at is None:
         created_at = time.time_ns() // 1_000_000
-    payload = envelope.encode(body, headers=dict(headers) if headers else None, created_at=created_at)
+    payload = envelope.encode(body, headers=dict(headers) if headers else None, created_at=created_at,
+                              content_type=content_type)
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise InvalidMessage(ErrorCode.MESSAGE_TOO_LARGE,
                              f"message is {len(payload)} bytes, more than a frame can carry")

@@ -28,7 +28,25 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     elif backend == "sqlite":
         connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_S)
     kwargs.setdefault("pool_pre_ping", True)
-    return sa.create_engine(url, connect_args=connect_args, **kwargs)
+    engine = sa.create_engine(url, connect_args=connect_args, **kwargs)
+    if backend == "sqlite":
+        fix_sqlite_transactions(engine)
+    return engine
+
+
+def fix_sqlite_transactions(engine: Engine) -> None:
+    """Let SQLAlchemy, not the sqlite3 module, begin transactions, so that SAVEPOINTs work: without
+    it, a savepoint taken before the first write starts a transaction that RELEASE commits, and a
+    rolled-back savepoint's rows (and messages) could survive. SQLAlchemy's documented recipe; apply
+    it to an application's own SQLite engine that uses savepoints."""
+
+    @sa.event.listens_for(engine, "connect")
+    def _autocommit_driver(dbapi_connection: Any, connection_record: Any) -> None:
+        dbapi_connection.isolation_level = None
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("BEGIN")
 
 
 def safe_url(engine: Engine) -> str:

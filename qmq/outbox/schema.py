@@ -39,6 +39,7 @@ outbox = sa.Table(
     sa.Column("lease_expires_at", sa.DateTime(timezone=True), nullable=True),
     sa.Column("sent_at", sa.DateTime(timezone=True), nullable=True),
     sa.Column("last_error", sa.Text(), nullable=True),
+    sa.Column("flagged_at", sa.DateTime(timezone=True), nullable=True),  # pending too long: an operator should look
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
     sa.CheckConstraint(f"state IN ('{PENDING}', '{SENT}')", name="ck_qmq_outbox_state"),
 )

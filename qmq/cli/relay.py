@@ -1,0 +1,73 @@
+"""`qmq relay`: ship the outbox rows that no after-commit sender shipped, keep sent rows for the audit
+window, then purge them (qmq/outbox/relay.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+
+import click
+
+from qmq.cli.client_options import client_options, make_client
+from qmq.client import Client
+from qmq.db.url import DB_URL_ENV, normalize_url
+from qmq.metrics import serve
+from qmq.outbox import relay as relay_module
+from qmq.outbox.metrics import REGISTRY
+from qmq.outbox.relay import Relay, RelaySettings
+
+DAY_S = 86400.0
+
+
+@click.command("relay")
+@click.option("--db", "dbs", multiple=True, envvar=DB_URL_ENV, metavar="URL",
+              help=f"an outbox database (repeat for several) [env {DB_URL_ENV}, space-separated]")
+@client_options
+@click.option("--batch", type=click.IntRange(1, 10_000), default=relay_module.BATCH_ROWS, show_default=True,
+              help="rows claimed and shipped together")
+@click.option("--concurrency", type=click.IntRange(1, 64), default=relay_module.SHIPPING_THREADS,
+              show_default=True, help="shipping threads per database")
+@click.option("--lease", type=click.FloatRange(min=1), default=relay_module.LEASE_S, show_default=True,
+              help="seconds a claimed row stays this relay's")
+@click.option("--poll-interval", type=click.FloatRange(min=0.01), default=relay_module.POLL_INTERVAL_S,
+              show_default=True, help="longest sleep between looks (PostgreSQL NOTIFY wakes it sooner)")
+@click.option("--keep-sent-days", type=click.FloatRange(min=0), default=relay_module.KEEP_SENT_S / DAY_S,
+              show_default=True, help="the audit window: sent rows are purged after it")
+@click.option("--purge-batch", type=click.IntRange(1), default=relay_module.PURGE_BATCH_ROWS, show_default=True,
+              help="rows deleted per purge transaction")
+@click.option("--flag-after", type=click.FloatRange(min=0), default=relay_module.FLAG_AFTER_S, show_default=True,
+              help="seconds pending after which a row is flagged and logged")
+@click.option("--flag-attempts", type=click.IntRange(1), default=relay_module.FLAG_AFTER_ATTEMPTS,
+              show_default=True, help="failed attempts after which a row is flagged and logged")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="serve Prometheus metrics here")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option("--once", is_flag=True, help="one sweep (ship what is due, flag, purge), print a JSON report, exit")
+def relay(dbs: tuple[str, ...], meta: str | None, brokers: tuple[str, ...], token: str | None, log_level: str,
+          batch: int, concurrency: int, lease: float, poll_interval: float, keep_sent_days: float, purge_batch: int,
+          flag_after: float, flag_attempts: int, metrics_port: int | None, metrics_host: str, once: bool) -> None:
+    """Ship committed outbox rows left unsent (crash, broker down), until SIGTERM."""
+    urls = [normalize_url(u) for value in dbs for u in value.split()]
+    if not urls:
+        raise click.UsageError(f"give at least one --db URL (or set ${DB_URL_ENV})")
+    if log_level.upper() == "WARNING":
+        log_level = "INFO"  # a service logs its start, stop and purges
+    probe = make_client(meta, brokers, token, log_level)  # bad addresses are usage errors, now
+    probe.close()
+    settings = RelaySettings(batch_rows=batch, lease_s=lease, poll_interval_s=poll_interval,
+                             shipping_threads=concurrency, keep_sent_s=keep_sent_days * DAY_S,
+                             purge_batch_rows=purge_batch, flag_after_s=flag_after, flag_after_attempts=flag_attempts)
+    service = Relay(urls, lambda: Client(meta=probe.meta, brokers=probe.brokers, token=token or None,
+                                         client_id="relay"), settings)
+    if once:
+        reports = service.sweep()
+        for report in reports:
+            click.echo(json.dumps(report.__dict__))
+        sys.exit(1 if any(r.errors for r in reports) else 0)
+    if metrics_port is not None:
+        bound = serve(REGISTRY, metrics_host, metrics_port)
+        logging.getLogger(__name__).info("metrics on http://%s:%d/metrics", metrics_host, bound)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: service.stop.set())
+    service.run()

@@ -1,0 +1,283 @@
+"""The relay (`qmq relay`): the guarantee behind the after-commit sender. It ships every committed
+outbox row that nobody shipped (the app died after its commit, a broker was down, the sender's queue
+was full), keeps sent rows for the audit window and then purges them.
+
+Per database: a few shipping threads claim due rows with `FOR UPDATE SKIP LOCKED` and a lease on the
+database clock, ship them and mark them under their own lease token, so any number of relays can
+share a database; they sleep until a NOTIFY, the next row's due time or the poll interval, whichever
+comes first. A housekeeping thread flags rows pending too long (logged and counted, never dropped),
+updates the backlog gauges and purges in small batches. A database or broker that goes away is
+waited for and reconnected to; stopping finishes the batch in hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+
+from qmq.client.blocking import Client
+from qmq.db.engine import create_engine, safe_url
+from qmq.outbox import metrics, rows, shipping
+from qmq.outbox.notify import Listener
+
+log = logging.getLogger(__name__)
+
+BATCH_ROWS = 500  # rows claimed and shipped together
+LEASE_S = 60.0  # a claimed row is the relay's this long; longer than any send can take
+POLL_INTERVAL_S = 1.0  # the longest a relay sleeps without looking (NOTIFY wakes it sooner)
+SHIPPING_THREADS = 2  # per database
+KEEP_SENT_S = 7 * 86400.0  # the audit window: sent rows are kept this long for the reconciliation
+PURGE_BATCH_ROWS = 5_000  # deleted per short transaction
+PURGE_INTERVAL_S = 60.0
+HOUSEKEEPING_INTERVAL_S = 10.0  # backlog gauges and flagging
+FLAG_AFTER_S = 600.0  # a row pending this long is flagged...
+FLAG_AFTER_ATTEMPTS = 10  # ...or one that failed this many times
+FLAG_LOG_MAX = 20  # flagged rows logged one by one per pass; the rest as a count
+DB_RETRY_MIN_S = 0.5  # after a database error, wait this long, doubling...
+DB_RETRY_MAX_S = 30.0  # ...up to this
+SUMMARY_INTERVAL_S = 60.0  # a line about what was shipped, at most this often
+
+
+@dataclass
+class RelaySettings:
+    batch_rows: int = BATCH_ROWS
+    lease_s: float = LEASE_S
+    poll_interval_s: float = POLL_INTERVAL_S
+    shipping_threads: int = SHIPPING_THREADS
+    keep_sent_s: float = KEEP_SENT_S
+    purge_batch_rows: int = PURGE_BATCH_ROWS
+    purge_interval_s: float = PURGE_INTERVAL_S
+    flag_after_s: float = FLAG_AFTER_S
+    flag_after_attempts: int = FLAG_AFTER_ATTEMPTS
+
+
+@dataclass
+class SweepReport:
+    """What one sweep of one database did (`qmq relay --once`, the Celery task)."""
+
+    database: str
+    shipped: int = 0
+    failed: int = 0
+    purged: int = 0
+    flagged: int = 0
+    pending: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class DatabaseRelay:
+    """Relays one outbox database with a client of its own."""
+
+    def __init__(self, url: str, new_client: Callable[[], Client], settings: RelaySettings,
+                 stop: threading.Event) -> None:
+        self.engine = create_engine(url)
+        self.name = safe_url(self.engine)
+        self.new_client = new_client
+        self.settings = settings
+        self.stop = stop
+        self.wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._listener: Listener | None = None
+        self._shipped_since_summary = 0
+        self._summary_at = time.monotonic()
+        self._lock = threading.Lock()
+
+    # ---- running as a service ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.engine.dialect.name == "postgresql":
+            self._listener = Listener(self.engine, self.wake, self.stop)
+            self._listener.start()
+        for i in range(self.settings.shipping_threads):
+            self._spawn(self._ship_loop, f"qmq-relay-ship-{i}")
+        self._spawn(self._housekeeping_loop, "qmq-relay-housekeeping")
+        log.info("relaying %s: %d shipping threads, %s", self.name, self.settings.shipping_threads,
+                 "LISTEN/NOTIFY and polling" if self._listener else "polling")
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0))
+        if self._listener is not None:
+            self._listener.join(max(deadline - time.monotonic(), 0))
+        self.engine.dispose()
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _ship_loop(self) -> None:
+        client = self.new_client()
+        token = str(uuid.uuid4())
+        failures = 0
+        try:
+            while not self.stop.is_set():
+                try:
+                    report = self.ship_batch(client, token)
+                    failures = 0
+                except sa.exc.SQLAlchemyError as exc:
+                    failures += 1
+                    self._database_error(exc, failures)
+                    continue
+                if report is None:
+                    self._sleep_until_due()
+        finally:
+            client.close()
+
+    def _sleep_until_due(self) -> None:
+        timeout = self.settings.poll_interval_s
+        try:
+            with self.engine.connect() as conn:
+                due_in = rows.seconds_until_due(conn)
+        except sa.exc.SQLAlchemyError:
+            due_in = None
+        if due_in is not None:
+            timeout = min(timeout, max(due_in, 0.0) + 0.01)
+        if self.wake.wait(timeout):
+            self.wake.clear()
+
+    def _housekeeping_loop(self) -> None:
+        next_purge = time.monotonic()
+        failures = 0
+        while not self.stop.is_set():
+            try:
+                self.housekeeping()
+                if time.monotonic() >= next_purge:
+                    self.purge()
+                    next_purge = time.monotonic() + self.settings.purge_interval_s
+                failures = 0
+            except sa.exc.SQLAlchemyError as exc:
+                failures += 1
+                self._database_error(exc, failures)
+                continue
+            self.stop.wait(HOUSEKEEPING_INTERVAL_S)
+
+    def _database_error(self, exc: Exception, failures: int) -> None:
+        metrics.DB_ERRORS.labels(self.name).inc()
+        delay = min(DB_RETRY_MIN_S * 2 ** (failures - 1), DB_RETRY_MAX_S)
+        if failures == 1 or delay == DB_RETRY_MAX_S:
+            log.warning("database %s: %s; retrying in %.1f s", self.name, _first_line(exc), delay)
+        self.stop.wait(delay)
+
+    # ---- the work, one step at a time --------------------------------------------------------------
+
+    def ship_batch(self, client: Client, token: str) -> shipping.ShipReport | None:
+        """Claim one batch of due rows, ship it and record the outcome; None when nothing was due."""
+        started = time.perf_counter()
+        with self.engine.begin() as conn:
+            claimed = rows.claim_due(conn, token, self.settings.batch_rows, self.settings.lease_s)
+        if not claimed:
+            return None
+        report = shipping.ship(self.engine, client, [shipping.shipment(r) for r in claimed], token)
+        metrics.BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
+        metrics.SHIPPED.labels(self.name).inc(len(report.sent))
+        metrics.LEASE_LOST.labels(self.name).inc(report.lease_lost)
+        if report.failed:
+            metrics.SEND_FAILED.labels(self.name).inc(len(report.failed))
+            log.warning("database %s: %d of %d rows not shipped, retrying after a backoff: %s", self.name,
+                        len(report.failed), len(claimed), report.failed[0].error)
+        self._summarise(len(report.sent))
+        return report
+
+    def housekeeping(self) -> int:
+        """Flag rows pending too long and update the backlog gauges; the number flagged now."""
+        with self.engine.begin() as conn:
+            flagged = rows.flag_overdue(conn, self.settings.flag_after_s, self.settings.flag_after_attempts)
+            backlog = rows.backlog(conn)
+        for row in flagged[:FLAG_LOG_MAX]:
+            log.error("database %s: message %s (%s) is still not shipped after %d attempts: %s", self.name,
+                      row.message_id, row.subject, row.attempts, row.last_error or "not tried yet")
+        if len(flagged) > FLAG_LOG_MAX:
+            log.error("database %s: %d more rows flagged as pending too long", self.name, len(flagged) - FLAG_LOG_MAX)
+        metrics.FLAGGED.labels(self.name).inc(len(flagged))
+        metrics.PENDING.labels(self.name).set(backlog.pending)
+        metrics.OLDEST_PENDING.labels(self.name).set(backlog.oldest_age_s)
+        metrics.FLAGGED_PENDING.labels(self.name).set(backlog.flagged)
+        return len(flagged)
+
+    def purge(self) -> int:
+        """Delete rows sent before the audit window, one short transaction per batch; the number deleted."""
+        total = 0
+        while not self.stop.is_set():
+            with self.engine.begin() as conn:
+                deleted = rows.purge_sent(conn, self.settings.keep_sent_s, self.settings.purge_batch_rows)
+            total += deleted
+            if deleted < self.settings.purge_batch_rows:
+                break
+        if total:
+            metrics.PURGED.labels(self.name).inc(total)
+            log.info("database %s: purged %d rows sent more than %.0f s ago", self.name, total,
+                     self.settings.keep_sent_s)
+        return total
+
+    def sweep(self) -> SweepReport:
+        """Ship everything due now, flag, purge: one pass, for `--once` and the Celery task."""
+        report = SweepReport(self.name)
+        client = self.new_client()
+        token = str(uuid.uuid4())
+        try:
+            while not self.stop.is_set():
+                batch = self.ship_batch(client, token)
+                if batch is None:
+                    break
+                report.shipped += len(batch.sent)
+                report.failed += len(batch.failed)
+                if batch.failed:
+                    break  # the rest waits for the backoff
+            report.flagged = self.housekeeping()
+            report.purged = self.purge()
+            with self.engine.connect() as conn:
+                report.pending = rows.backlog(conn).pending
+        except sa.exc.SQLAlchemyError as exc:
+            metrics.DB_ERRORS.labels(self.name).inc()
+            report.errors.append(_first_line(exc))
+        finally:
+            client.close()
+        return report
+
+    def _summarise(self, shipped: int) -> None:
+        with self._lock:
+            self._shipped_since_summary += shipped
+            now = time.monotonic()
+            if now - self._summary_at < SUMMARY_INTERVAL_S:
+                return
+            count, self._shipped_since_summary, self._summary_at = self._shipped_since_summary, 0, now
+        log.info("database %s: shipped %d rows in the last %.0f s", self.name, count, SUMMARY_INTERVAL_S)
+
+
+class Relay:
+    """Relays every outbox database given, until `stop` is set."""
+
+    def __init__(self, urls: Sequence[str], new_client: Callable[[], Client],
+                 settings: RelaySettings | None = None) -> None:
+        if not urls:
+            raise ValueError("the relay needs at least one outbox database URL")
+        self.stop = threading.Event()
+        self.settings = settings or RelaySettings()
+        self.databases = [DatabaseRelay(url, new_client, self.settings, self.stop) for url in urls]
+
+    def run(self) -> None:
+        """Serve until `stop` is set, then finish the batches in hand and return."""
+        for database in self.databases:
+            database.start()
+        self.stop.wait()
+        log.info("relay stopping: finishing the batches in hand")
+        for database in self.databases:
+            database.join(timeout=self.settings.lease_s)
+
+    def sweep(self) -> list[SweepReport]:
+        reports = [database.sweep() for database in self.databases]
+        for database in self.databases:
+            database.engine.dispose()
+        return reports
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

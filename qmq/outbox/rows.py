@@ -1,0 +1,196 @@
+"""The outbox's SQL: every statement that the producer, its after-commit sender and the relay run on
+`qmq_outbox`, for PostgreSQL and SQLite, with times from the database clock (so that hosts with skewed
+clocks agree on leases). No threads, no retries: the caller holds the connection and the transaction.
+
+Promises: a row is shipped only by the holder of its lease (`lease_token` until `lease_expires_at`)
+and marked sent only under that token, so senders and relays sharing a database never ship a row
+twice while they are healthy; a holder that died loses its rows when its lease expires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from qmq.outbox.schema import PENDING, SENT, outbox
+
+SQLITE_TIME_FORMAT = "%Y-%m-%d %H:%M:%f"  # UTC, sorts as text, read back by SQLAlchemy's DateTime
+RETRY_BASE_S = 1.0  # a row that failed once waits this long, then doubling...
+RETRY_MAX_S = 300.0  # ...up to this
+LAST_ERROR_MAX_CHARS = 2000
+
+
+def db_now(dialect: str) -> sa.ColumnElement:
+    """The database's current time."""
+    if dialect == "sqlite":
+        return sa.func.strftime(SQLITE_TIME_FORMAT, "now")
+    return sa.func.now()
+
+
+def db_now_plus(dialect: str, seconds: float | sa.BindParameter) -> sa.ColumnElement:
+    """The database's current time plus `seconds` (a number or a bound parameter)."""
+    if dialect == "sqlite":
+        return sa.func.strftime(SQLITE_TIME_FORMAT, "now", sa.func.printf("%+.3f seconds", seconds))
+    return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, seconds)
+
+
+def retry_delay_s(attempts: int) -> float:
+    """How long a row waits after its `attempts`-th failed attempt: exponential with a cap."""
+    return min(RETRY_BASE_S * 2 ** min(max(attempts - 1, 0), 30), RETRY_MAX_S)
+
+
+def insert(dialect: str, lease_token: str | None, lease_s: float) -> sa.Insert:
+    """The INSERT of new rows (parameters: the columns of `row_values`). With `lease_token`, the rows
+    are born leased to their producer's sender for `lease_s`, so relays leave them to it unless it dies."""
+    stmt = outbox.insert()
+    if lease_token is not None:
+        stmt = stmt.values(lease_token=lease_token, lease_expires_at=db_now_plus(dialect, lease_s))
+    return stmt
+
+
+@dataclass(frozen=True)
+class ClaimedRow:
+    """A pending row as a sender or relay ships it."""
+
+    message_id: str
+    subject: str
+    body: bytes
+    content_type: str
+    headers: dict | None
+    tags: list | None
+    key: str | None
+    deliver_at: object  # datetime or None
+    attempts: int
+    created_at: object  # datetime
+
+
+_CLAIMED_COLUMNS = (outbox.c.message_id, outbox.c.subject, outbox.c.body, outbox.c.content_type, outbox.c.headers,
+                    outbox.c.tags, outbox.c.key, outbox.c.deliver_at, outbox.c.attempts, outbox.c.created_at)
+
+
+def _claimable(now: sa.ColumnElement) -> sa.ColumnElement:
+    return sa.and_(
+        outbox.c.state == PENDING,
+        outbox.c.next_attempt_at <= now,
+        sa.or_(outbox.c.lease_expires_at.is_(None), outbox.c.lease_expires_at <= now),
+    )
+
+
+def claim_due(conn: sa.Connection, token: str, limit: int, lease_s: float) -> list[ClaimedRow]:
+    """Lease up to `limit` due pending rows, oldest due first, to `token` for `lease_s`. Rows that
+    another transaction holds locked are skipped (PostgreSQL), not waited for."""
+    dialect = conn.dialect.name
+    now = db_now(dialect)
+    due = (sa.select(outbox.c.id).where(_claimable(now)).order_by(outbox.c.next_attempt_at).limit(limit)
+           .with_for_update(skip_locked=True))
+    stmt = (outbox.update().where(outbox.c.id.in_(due))
+            .values(lease_token=token, lease_expires_at=db_now_plus(dialect, lease_s))
+            .returning(*_CLAIMED_COLUMNS))
+    return [ClaimedRow(*row) for row in conn.execute(stmt)]
+
+
+def confirm_lease(conn: sa.Connection, message_ids: Sequence[str], token: str, lease_s: float) -> set[str]:
+    """The ids among `message_ids` whose rows exist, are pending and still leased to `token`; their
+    lease is renewed for `lease_s`. A row rolled back with its transaction (or savepoint) is not there."""
+    if not message_ids:
+        return set()
+    stmt = (outbox.update()
+            .where(outbox.c.message_id.in_(message_ids), outbox.c.lease_token == token, outbox.c.state == PENDING)
+            .values(lease_expires_at=db_now_plus(conn.dialect.name, lease_s))
+            .returning(outbox.c.message_id))
+    return set(conn.execute(stmt).scalars())
+
+
+def mark_sent(conn: sa.Connection, message_ids: Iterable[str], token: str) -> int:
+    """Mark the rows sent, if still leased to `token`; the number marked."""
+    ids = list(message_ids)
+    if not ids:
+        return 0
+    stmt = (outbox.update()
+            .where(outbox.c.message_id.in_(ids), outbox.c.lease_token == token, outbox.c.state == PENDING)
+            .values(state=SENT, sent_at=db_now(conn.dialect.name), attempts=outbox.c.attempts + 1,
+                    lease_token=None, lease_expires_at=None, last_error=None))
+    return conn.execute(stmt).rowcount
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A row that could not be shipped: why, and its attempts so far (before this one)."""
+
+    message_id: str
+    error: str
+    attempts: int
+
+
+def mark_failed(conn: sa.Connection, failures: Sequence[Failure], token: str) -> int:
+    """Give the rows back (if still leased to `token`) with one more attempt, the error, and a next
+    attempt after the backoff; the number updated."""
+    if not failures:
+        return 0
+    stmt = (outbox.update()
+            .where(outbox.c.message_id == sa.bindparam("m_id"), outbox.c.lease_token == token,
+                   outbox.c.state == PENDING)
+            .values(attempts=outbox.c.attempts + 1, last_error=sa.bindparam("m_error"),
+                    next_attempt_at=db_now_plus(conn.dialect.name, sa.bindparam("m_delay", type_=sa.Float)),
+                    lease_token=None, lease_expires_at=None))
+    params = [{"m_id": f.message_id, "m_error": f.error[:LAST_ERROR_MAX_CHARS],
+               "m_delay": retry_delay_s(f.attempts + 1)} for f in failures]
+    return conn.execute(stmt, params).rowcount
+
+
+def flag_overdue(conn: sa.Connection, pending_for_s: float, attempts: int) -> list[sa.Row]:
+    """Flag (set `flagged_at` on) pending rows not yet flagged that are older than `pending_for_s` or
+    have failed `attempts` times; the rows flagged now (message_id, subject, attempts, last_error)."""
+    dialect = conn.dialect.name
+    stmt = (outbox.update()
+            .where(outbox.c.state == PENDING, outbox.c.flagged_at.is_(None),
+                   sa.or_(outbox.c.created_at <= db_now_plus(dialect, -pending_for_s), outbox.c.attempts >= attempts))
+            .values(flagged_at=db_now(dialect))
+            .returning(outbox.c.message_id, outbox.c.subject, outbox.c.attempts, outbox.c.last_error))
+    return list(conn.execute(stmt))
+
+
+def purge_sent(conn: sa.Connection, sent_before_s: float, limit: int) -> int:
+    """Delete up to `limit` rows sent more than `sent_before_s` ago; the number deleted. Callers run it
+    in short transactions, one batch each, so no lock is held for long."""
+    old = (sa.select(outbox.c.id)
+           .where(outbox.c.state == SENT, outbox.c.sent_at <= db_now_plus(conn.dialect.name, -sent_before_s))
+           .order_by(outbox.c.sent_at).limit(limit))
+    return conn.execute(outbox.delete().where(outbox.c.id.in_(old))).rowcount
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """The pending rows of one outbox: how many, the oldest one's age, how many are flagged."""
+
+    pending: int
+    oldest_age_s: float
+    flagged: int
+
+
+def backlog(conn: sa.Connection) -> Backlog:
+    dialect = conn.dialect.name
+    if dialect == "sqlite":
+        age = (sa.func.julianday("now") - sa.func.julianday(sa.func.min(outbox.c.created_at))) * 86400.0
+    else:
+        age = sa.func.extract("epoch", sa.func.now() - sa.func.min(outbox.c.created_at))
+    flagged = sa.func.count(outbox.c.flagged_at)
+    row = conn.execute(sa.select(sa.func.count(), age, flagged).where(outbox.c.state == PENDING)).one()
+    return Backlog(pending=row[0], oldest_age_s=max(float(row[1] or 0.0), 0.0), flagged=row[2])
+
+
+def seconds_until_due(conn: sa.Connection) -> float | None:
+    """Seconds until the soonest pending row becomes claimable (0 or less: one is due now), or None
+    when nothing is pending."""
+    if conn.dialect.name == "sqlite":
+        lease_or_due = sa.func.coalesce(outbox.c.lease_expires_at, outbox.c.next_attempt_at)
+        ready = sa.func.max(outbox.c.next_attempt_at, lease_or_due)
+        wait = (sa.func.julianday(sa.func.min(ready)) - sa.func.julianday("now")) * 86400.0
+    else:
+        ready = sa.func.greatest(outbox.c.next_attempt_at, sa.func.coalesce(outbox.c.lease_expires_at,
+                                                                           outbox.c.next_attempt_at))
+        wait = sa.func.extract("epoch", sa.func.min(ready) - sa.func.now())
+    value = conn.execute(sa.select(wait).where(outbox.c.state == PENDING)).scalar()
+    return None if value is None else float(value)

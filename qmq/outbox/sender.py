@@ -1,0 +1,173 @@
+"""The after-commit sender: the fast path from a committed outbox row to a broker, in the application's
+own process, on one background thread.
+
+The producer inserts each row leased to this sender's token; after the commit it hands the messages
+over with `offer`, which never blocks and never raises. The sender confirms which rows exist (a
+message whose transaction or savepoint rolled back has no row and is never shipped), ships them in
+batches and marks them sent under its lease. Anything it cannot ship (queue full, broker down,
+database gone, process killed) is left to the relay: the row's lease runs out, or the sender gives it
+back at once with its error and a backoff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import sqlalchemy as sa
+from prometheus_client import Counter
+
+from qmq.client.blocking import Client
+from qmq.outbox import rows, shipping
+from qmq.outbox.shipping import Shipment
+
+log = logging.getLogger(__name__)
+
+QUEUE_MAX_MESSAGES = 10_000  # handed over but not yet shipped; beyond it, rows wait for the relay
+BATCH_MAX_MESSAGES = 256  # shipped together: one confirm, one send call, one mark
+SHIP_LEASE_S = 60.0  # a confirmed row is ours this long while it is being shipped
+CLOSE_TIMEOUT_S = 5.0  # close() waits this long for the queue to drain
+ERROR_LOG_INTERVAL_S = 10.0  # repeated failures are logged at most this often
+
+SENT = Counter("qmq_producer_sent", "Messages shipped by the after-commit sender")
+LEFT_FOR_RELAY = Counter("qmq_producer_left_for_relay", "Committed messages the sender left to the relay",
+                         ["reason"])
+
+
+class Sender:
+    """Ships committed messages of one database from a background thread (started on first offer)."""
+
+    def __init__(self, engine: Callable[[], sa.Engine], client: Callable[[], Client], token: str, *,
+                 queue_max: int = QUEUE_MAX_MESSAGES, batch_max: int = BATCH_MAX_MESSAGES) -> None:
+        self._engine_factory = engine
+        self._client_factory = client
+        self.token = token
+        self.batch_max = batch_max
+        self._queue: queue.Queue[Shipment | None] = queue.Queue(maxsize=queue_max)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
+        self._busy = 0  # messages taken from the queue and not yet done
+        self._idle = threading.Condition()
+        self._last_error_log = 0.0
+
+    def has_room(self) -> bool:
+        """Whether the sender is likely to take more messages (a hint: `offer` decides)."""
+        return not self._closed and not self._queue.full()
+
+    def offer(self, shipments: Sequence[Shipment]) -> int:
+        """Queue committed messages for shipping; never blocks, never raises. Returns how many were
+        taken; the rest wait for the relay."""
+        if self._closed:
+            LEFT_FOR_RELAY.labels("closed").inc(len(shipments))
+            return 0
+        self._ensure_started()
+        taken = 0
+        for item in shipments:
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                LEFT_FOR_RELAY.labels("queue_full").inc(len(shipments) - taken)
+                self._log_error("the after-commit sender's queue is full; %d messages wait for the relay",
+                                len(shipments) - taken)
+                break
+            taken += 1
+        return taken
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until everything offered so far was shipped or given up; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._queue.unfinished_tasks or self._busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(min(remaining, 0.05))
+        return True
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Ship what is queued (waiting up to `timeout`), then stop. What is left waits for the relay."""
+        if self._closed:
+            return
+        self._closed = True
+        thread = self._thread
+        if thread is not None:
+            with contextlib.suppress(queue.Full):
+                self._queue.put(None, timeout=timeout)
+            thread.join(timeout)
+
+    def _ensure_started(self) -> None:
+        if self._thread is not None:
+            return
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="qmq-outbox-sender", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        client: Client | None = None
+        while True:
+            batch, stop = self._take_batch()
+            if batch:
+                try:
+                    client = client or self._client_factory()
+                    self._ship(client, batch)
+                except Exception as exc:  # the database went away: the rows' leases run out, the relay ships
+                    LEFT_FOR_RELAY.labels("error").inc(len(batch))
+                    self._log_error("after-commit send of %d messages failed, left for the relay: %s", len(batch), exc)
+                finally:
+                    self._done(len(batch))
+            if stop:
+                break
+        if client is not None:
+            client.close()
+
+    def _take_batch(self) -> tuple[list[Shipment], bool]:
+        first = self._queue.get()
+        batch: list[Shipment] = []
+        stop = first is None
+        if first is not None:
+            batch.append(first)
+        while not stop and len(batch) < self.batch_max:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+            else:
+                batch.append(item)
+        with self._idle:
+            self._busy += len(batch)
+            for _ in range(len(batch) + (1 if stop else 0)):
+                self._queue.task_done()
+        return batch, stop
+
+    def _done(self, count: int) -> None:
+        with self._idle:
+            self._busy -= count
+            self._idle.notify_all()
+
+    def _ship(self, client: Client, batch: list[Shipment]) -> None:
+        engine = self._engine_factory()
+        with engine.begin() as conn:
+            existing = rows.confirm_lease(conn, [s.message.id for s in batch], self.token, SHIP_LEASE_S)
+        confirmed = [s for s in batch if s.message.id in existing]
+        if not confirmed:
+            return
+        report = shipping.ship(engine, client, confirmed, self.token)
+        SENT.inc(len(report.sent))
+        if report.failed:
+            LEFT_FOR_RELAY.labels("send_failed").inc(len(report.failed))
+            self._log_error("%d messages could not be sent now and are left for the relay: %s",
+                            len(report.failed), report.failed[0].error)
+
+    def _log_error(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log >= ERROR_LOG_INTERVAL_S:
+            self._last_error_log = now
+            log.warning(message, *args)

@@ -1,0 +1,83 @@
+"""Shipping leased outbox rows: send them through a qmq client, then record per row what happened
+(sent, or failed with its error and a backoff) under the lease. The after-commit sender and the relay
+both ship this way; they differ only in how they lease rows.
+
+Promise: a row is marked sent only after a broker (or the delay server) acknowledged its message.
+If the marking itself fails (the database went away), the rows stay leased and are shipped again after
+the lease: a possible duplicate, never a loss. Consumers drop duplicates by message id.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+
+from qmq.client.blocking import Client
+from qmq.client.core import OutgoingMessage, SendResult
+from qmq.outbox import rows
+from qmq.outbox.rows import ClaimedRow, Failure
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Shipment:
+    """One message to ship with the attempts its row has had so far."""
+
+    message: OutgoingMessage
+    attempts: int = 0
+
+
+@dataclass
+class ShipReport:
+    sent: list[str] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+    lease_lost: int = 0  # rows marked by no one: another holder took them after our lease expired
+
+
+def epoch_ms(value: datetime) -> int:
+    """ms since the epoch; a naive datetime (SQLite) is UTC."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return int(value.timestamp() * 1000)
+
+
+def shipment(row: ClaimedRow) -> Shipment:
+    """The message a claimed row stands for, with the id, body and creation time it was written with."""
+    message = OutgoingMessage(row.subject, row.body, key=row.key, tags=tuple(row.tags or ()),
+                              headers=row.headers or None, id=row.message_id, created_at=epoch_ms(row.created_at),
+                              content_type=row.content_type)
+    return Shipment(message, row.attempts)
+
+
+def send(client: Client, shipments: Sequence[Shipment]) -> list[SendResult]:
+    """One result per shipment; a client that raised fails them all with its error."""
+    messages = [s.message for s in shipments]
+    try:
+        return client.send(messages)
+    except Exception as exc:  # the client could not even try: meta server down, closed client...
+        return [SendResult(m.id, m.subject, False, error=f"{type(exc).__name__}: {exc}") for m in messages]
+
+
+def ship(engine: sa.Engine, client: Client, shipments: Sequence[Shipment], token: str) -> ShipReport:
+    """Send `shipments` (rows leased to `token`) and record the outcome of each row. Raises only if
+    the outcome could not be written (the rows then wait for their lease to expire)."""
+    report = ShipReport()
+    by_id = {s.message.id: s for s in shipments}
+    for result in send(client, shipments):
+        if result.ok:
+            report.sent.append(result.message_id)
+        else:
+            error = result.error or f"error code {result.error_code}"
+            report.failed.append(Failure(result.message_id, error, by_id[result.message_id].attempts))
+    with engine.begin() as conn:
+        marked = rows.mark_sent(conn, report.sent, token) + rows.mark_failed(conn, report.failed, token)
+    report.lease_lost = len(shipments) - marked
+    if report.lease_lost:
+        log.warning("%d outbox rows were shipped after their lease expired; another relay may ship them again "
+                    "(consumers drop the duplicate by message id)", report.lease_lost)
+    return report

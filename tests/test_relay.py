@@ -1,0 +1,228 @@
+"""The relay (`qmq relay`) as a real process against real PostgreSQL (SQLite where stated) and real
+brokers: it ships what the app could not, survives SIGKILLs of the app and of itself, a broker that
+is down and a database that drops its connections, and never ships a row twice while healthy."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import sqlalchemy as sa
+
+import qmq
+from qmq.db.engine import create_engine
+from qmq.db.migrate import upgrade
+from qmq.outbox.schema import outbox
+from tests.support.broker import ROOT, start_broker
+from tests.support.databases import fresh_database, set_connections_allowed
+from tests.support.outbox import consume, outbox_rows, relay_args, start_relay, states, wait_for
+from tests.support.processes import free_port
+from tests.test_meta import log_text
+
+
+@pytest.fixture
+def db_url(pg_url):
+    with fresh_database(pg_url) as url:
+        upgrade(url)
+        yield url
+
+
+@pytest.fixture
+def engine(db_url):
+    engine = create_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def broker(processes, tmp_path):
+    return start_broker(processes, tmp_path / "broker")
+
+
+def leave_for_relay(engine, subject: str, count: int) -> list[str]:
+    """Commit `count` messages that no in-process sender will ship (as after a crash)."""
+    producer = qmq.Producer(brokers=["127.0.0.1:1"], engine=engine, after_commit=False)
+    ids = [producer.send(subject, {"n": n}) for n in range(count)]
+    producer.close()
+    return ids
+
+
+def all_sent(engine, ids: list[str]) -> bool:
+    current = states(engine)
+    return all(current.get(i) == "sent" for i in ids)
+
+
+APP = textwrap.dedent("""
+    import os, signal, sys
+    import sqlalchemy as sa
+    import qmq
+    from qmq.db.engine import create_engine
+
+    engine = create_engine(sys.argv[1])
+    producer = qmq.Producer(brokers=[sys.argv[2]], engine=engine, insert_lease_s=1.0)
+    # The process dies at the very moment the commit hands the message to the sender.
+    producer.handoff = lambda shipments: os.kill(os.getpid(), signal.SIGKILL)
+
+    @qmq.transactional(producer)
+    def place_order(session):
+        message_id = producer.send("order.created", {"id": 7})
+        print(message_id, flush=True)
+
+    place_order()
+""")
+
+
+def test_an_app_killed_right_after_commit_has_its_message_shipped_by_the_relay(
+        processes, engine, db_url, broker) -> None:
+    app = subprocess.run([sys.executable, "-c", APP, db_url, broker.address], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert app.returncode == -signal.SIGKILL, app.stderr
+    message_id = app.stdout.strip()
+    assert states(engine) == {message_id: "pending"}  # committed, never shipped
+
+    start_relay(processes, db_url, broker=broker.address)
+    [delivery] = consume(broker.address, "order.created", 1)
+    assert (delivery.id, delivery.body) == (message_id, {"id": 7})  # the id made before the commit
+    wait_for(lambda: all_sent(engine, [message_id]), "row marked sent")
+
+
+def test_a_broker_down_at_commit_time_gets_the_message_when_it_is_back(processes, engine, db_url, tmp_path) -> None:
+    port = free_port()
+    producer = qmq.Producer(brokers=[f"127.0.0.1:{port}"], engine=engine)
+    message_id = producer.send("payment.captured", "42 EUR")  # its own transaction: commits fine
+    assert producer.flush(20)
+    producer.close()
+    assert outbox_rows(engine)[message_id].state == "pending"
+
+    start_relay(processes, db_url, broker=f"127.0.0.1:{port}")
+    wait_for(lambda: outbox_rows(engine)[message_id].attempts >= 2, "the relay tried and failed too")
+    broker = start_broker(processes, tmp_path / "broker", port=port)
+    assert [d.id for d in consume(broker.address, "payment.captured", 1)] == [message_id]
+    wait_for(lambda: all_sent(engine, [message_id]), "row marked sent")
+
+
+def test_the_relay_recovers_when_its_database_connections_are_killed(processes, engine, db_url, broker) -> None:
+    relay = start_relay(processes, db_url, broker=broker.address)
+    first = leave_for_relay(engine, "order.created", 5)
+    wait_for(lambda: all_sent(engine, first), "first rows shipped")
+
+    set_connections_allowed(db_url, False)  # every connection of the relay (LISTEN included) is killed
+    wait_for(lambda: "database" in log_text(relay) and "retrying" in log_text(relay), "the relay noticed")
+    set_connections_allowed(db_url, True)
+
+    later = leave_for_relay(engine, "order.created", 5)
+    wait_for(lambda: all_sent(engine, later), "rows committed after the outage shipped")
+    assert sorted(d.id for d in consume(broker.address, "order.created", 10)) == sorted(first + later)
+    assert relay.poll() is None
+
+
+def test_two_relays_never_ship_a_row_twice(processes, engine, db_url, broker) -> None:
+    ids = leave_for_relay(engine, "order.created", 2000)
+    for name in ("relay-a", "relay-b"):
+        start_relay(processes, db_url, broker=broker.address, name=name, batch=50, concurrency=2)
+    wait_for(lambda: all_sent(engine, ids), "every row shipped", deadline_s=60)
+    delivered = consume(broker.address, "order.created", len(ids))
+    assert len(delivered) == len(ids)  # no copies
+    assert {d.id for d in delivered} == set(ids)
+
+
+class BlackHole:
+    """A TCP server that accepts connections and never answers: a broker hung mid-request."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def test_a_relay_killed_mid_batch_loses_its_rows_to_another_after_the_lease(processes, engine, db_url,
+                                                                              broker) -> None:
+    ids = leave_for_relay(engine, "order.created", 20)
+    hole = BlackHole()
+    try:
+        stuck = start_relay(processes, db_url, broker=f"127.0.0.1:{hole.port}", name="relay-stuck", lease=3)
+        wait_for(lambda: all(r.lease_token for r in outbox_rows(engine).values()), "the batch claimed")
+        processes.kill(stuck)  # SIGKILL while the batch is in flight
+    finally:
+        hole.close()
+    assert set(states(engine).values()) == {"pending"}
+
+    start_relay(processes, db_url, broker=broker.address, name="relay-b")
+    wait_for(lambda: all_sent(engine, ids), "rows reclaimed after the lease and shipped")
+    delivered = consume(broker.address, "order.created", len(ids))
+    assert sorted(d.id for d in delivered) == sorted(ids)
+
+
+def run_once(db_url: str, broker: str, **flags) -> tuple[dict, str]:
+    result = subprocess.run([sys.executable, *relay_args(db_url, broker=broker, once=True, **flags)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={"PYTHONPATH": str(ROOT), "QMQ_META": "", "QMQ_DB_URL": "", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout), result.stderr
+
+
+def test_rows_that_keep_failing_are_flagged_logged_and_still_retried(engine, db_url) -> None:
+    [message_id] = leave_for_relay(engine, "order.created", 1)
+    report, log = run_once(db_url, f"127.0.0.1:{free_port()}", **{"flag-attempts": 1})
+    assert (report["shipped"], report["failed"], report["flagged"], report["pending"]) == (0, 1, 1, 1)
+    assert message_id in log and "not shipped after 1 attempts" in log
+    row = outbox_rows(engine)[message_id]
+    assert row.flagged_at is not None and row.state == "pending" and row.next_attempt_at > row.created_at
+
+
+def test_sent_rows_are_kept_for_the_audit_window_then_purged_in_batches(engine, db_url, broker) -> None:
+    old = leave_for_relay(engine, "order.created", 25)
+    recent = leave_for_relay(engine, "order.created", 3)
+    report, _ = run_once(db_url, broker.address)
+    assert report["shipped"] == 28
+    with engine.begin() as conn:  # as if the first rows had been sent 8 days ago
+        conn.execute(outbox.update().where(outbox.c.message_id.in_(old))
+                     .values(sent_at=sa.func.now() - sa.text("interval '8 days'")))
+    report, _ = run_once(db_url, broker.address, **{"purge-batch": 10, "keep-sent-days": 7})
+    assert report["purged"] == 25
+    assert set(states(engine)) == set(recent)
+
+
+def test_sqlite_outbox_is_relayed_by_polling(processes, tmp_path, broker) -> None:
+    url = f"sqlite:///{tmp_path / 'app.sqlite3'}"
+    upgrade(url)
+    engine = create_engine(url)
+    ids = leave_for_relay(engine, "order.created", 30)
+    start_relay(processes, url, broker=broker.address)
+    wait_for(lambda: all_sent(engine, ids), "rows shipped from SQLite")
+    assert sorted(d.id for d in consume(broker.address, "order.created", 30)) == sorted(ids)
+    engine.dispose()
+
+
+def test_sigterm_stops_the_relay_cleanly(processes, db_url, broker) -> None:
+    relay = start_relay(processes, db_url, broker=broker.address)
+    wait_for(lambda: "relaying" in log_text(relay), "the relay started")
+    assert processes.kill(relay, signal.SIGTERM) == 0
+    assert "relay stopping" in log_text(relay)
+
+
+def test_notify_wakes_the_relay_long_before_its_poll_interval(processes, engine, db_url, broker) -> None:
+    relay = start_relay(processes, db_url, broker=broker.address, **{"poll-interval": 60})
+    wait_for(lambda: "LISTEN/NOTIFY" in log_text(relay), "the relay listens")
+    ids = leave_for_relay(engine, "order.created", 3)
+    wait_for(lambda: all_sent(engine, ids), "shipped on NOTIFY", deadline_s=15)
