@@ -35,10 +35,14 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
 
 
 def fix_sqlite_transactions(engine: Engine) -> None:
-    """Let SQLAlchemy, not the sqlite3 module, begin transactions, so that SAVEPOINTs work: without
-    it, a savepoint taken before the first write starts a transaction that RELEASE commits, and a
-    rolled-back savepoint's rows (and messages) could survive. SQLAlchemy's documented recipe; apply
-    it to an application's own SQLite engine that uses savepoints."""
+    """Let SQLAlchemy, not the sqlite3 module, begin SQLite transactions, and begin them IMMEDIATE.
+
+    Without it a savepoint taken before the first write starts a transaction that RELEASE commits (a
+    rolled-back savepoint's rows, and messages, could survive), and a transaction that read before it
+    wrote fails at once with "database is locked" when another connection (the outbox sender) wrote
+    meanwhile: SQLite cannot upgrade its read lock, and no busy timeout helps. IMMEDIATE takes the
+    write lock at BEGIN, so writers queue for it instead. SQLAlchemy's documented recipe, with
+    IMMEDIATE; apply it to an application's own SQLite engine (Flask-SQLAlchemy's `db.engine`)."""
 
     @sa.event.listens_for(engine, "connect")
     def _autocommit_driver(dbapi_connection: Any, connection_record: Any) -> None:
@@ -46,7 +50,7 @@ def fix_sqlite_transactions(engine: Engine) -> None:
 
     @sa.event.listens_for(engine, "begin")
     def _begin(conn: sa.Connection) -> None:
-        conn.exec_driver_sql("BEGIN")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def safe_url(engine: Engine) -> str:

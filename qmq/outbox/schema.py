@@ -28,8 +28,8 @@ outbox = sa.Table(
     sa.Column("subject", sa.String(MAX_SUBJECT_LEN), nullable=False),
     sa.Column("body", sa.LargeBinary(), nullable=False),  # the envelope's body bytes
     sa.Column("content_type", sa.String(CONTENT_TYPE_LEN), nullable=False),
-    sa.Column("headers", sa.JSON(), nullable=True),
-    sa.Column("tags", sa.JSON(), nullable=True),
+    sa.Column("headers", sa.JSON(none_as_null=True), nullable=True),
+    sa.Column("tags", sa.JSON(none_as_null=True), nullable=True),
     sa.Column("key", sa.String(MAX_KEY_LEN), nullable=True),
     sa.Column("deliver_at", sa.DateTime(timezone=True), nullable=True),  # a delayed message
     sa.Column("state", sa.String(16), nullable=False, server_default=PENDING),

@@ -3,6 +3,8 @@ database, `qmq broker` and `qmq relay` processes, the qmq client)."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +27,15 @@ def outbox_rows(engine: sa.Engine) -> dict[str, sa.Row]:
 
 def states(engine: sa.Engine) -> dict[str, str]:
     return {m: r.state for m, r in outbox_rows(engine).items()}
+
+
+def committed_ids(engine: sa.Engine) -> set[str]:
+    """The message ids another connection sees now, read outside any transaction: unlike `states`,
+    this does not wait for a SQLite writer (qmq's SQLite engines begin IMMEDIATE) to finish."""
+    if engine.dialect.name != "sqlite":
+        return set(states(engine))
+    with contextlib.closing(sqlite3.connect(engine.url.database, isolation_level=None)) as conn:
+        return {r[0] for r in conn.execute("SELECT message_id FROM qmq_outbox")}
 
 
 def wait_for(condition: Callable[[], Any], what: str, deadline_s: float = DELIVERY_DEADLINE_S) -> Any:

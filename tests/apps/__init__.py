@@ -1,0 +1,1 @@
+"""Applications that tests run as real processes (Celery workers, qmq workers)."""

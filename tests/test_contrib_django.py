@@ -1,0 +1,159 @@
+"""The Django flavour: the qmq app's migrations on SQLite and PostgreSQL aliases (the same table the
+Alembic migrations make), and `@qmq.transactional` / `atomic` blocks on the right alias, with a real
+broker."""
+
+from __future__ import annotations
+
+import django
+import pytest
+import sqlalchemy as sa
+from django.conf import settings
+from django.core.management import call_command
+from django.db import connections, transaction
+
+import qmq
+from qmq.db.engine import create_engine
+from qmq.db.migrate import upgrade
+from qmq.outbox.schema import outbox
+from tests.support.broker import start_broker
+from tests.support.databases import fresh_database
+from tests.support.outbox import committed_ids, consume, states
+
+ALIASES = ["default", "orders"]  # SQLite and PostgreSQL
+
+
+@pytest.fixture(scope="module")
+def django_dbs(pg_url, tmp_path_factory):
+    """Django configured with a SQLite alias and a PostgreSQL alias, both migrated; their SQLAlchemy
+    URLs by alias."""
+    sqlite_path = tmp_path_factory.mktemp("django") / "default.sqlite3"
+    with fresh_database(pg_url) as url:
+        pg = sa.engine.make_url(url)
+        settings.configure(
+            INSTALLED_APPS=["qmq.contrib.django"],
+            DATABASES={
+                "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(sqlite_path),
+                            "OPTIONS": {"transaction_mode": "IMMEDIATE"}},  # as the guide says
+                "orders": {"ENGINE": "django.db.backends.postgresql", "NAME": pg.database, "USER": pg.username,
+                           "HOST": pg.host, "PORT": str(pg.port or 5432)},
+            },
+            USE_TZ=True,
+        )
+        django.setup()
+        for alias in ALIASES:
+            call_command("migrate", database=alias, verbosity=0)
+            with connections[alias].cursor() as cursor:
+                cursor.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, item VARCHAR(50))")
+        yield {"default": f"sqlite:///{sqlite_path}", "orders": url}
+        connections.close_all()
+
+
+@pytest.fixture(params=ALIASES)
+def alias(request, django_dbs):
+    yield request.param
+    with connections[request.param].cursor() as cursor:
+        cursor.execute("DELETE FROM orders")
+        cursor.execute("DELETE FROM qmq_outbox")
+
+
+@pytest.fixture
+def engine(django_dbs, alias):
+    engine = create_engine(django_dbs[alias])
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def broker(processes, tmp_path):
+    return start_broker(processes, tmp_path / "broker")
+
+
+@pytest.fixture
+def producer(alias, broker):
+    producer = qmq.Producer(brokers=[broker.address], using=alias)
+    yield producer
+    producer.close()
+
+
+def insert_order(alias: str, order_id: int) -> None:
+    with connections[alias].cursor() as cursor:
+        cursor.execute("INSERT INTO orders (id, item) VALUES (%s, %s)", [order_id, "book"])
+
+
+def order_ids(alias: str) -> list[int]:
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT id FROM orders ORDER BY id")
+        return [r[0] for r in cursor.fetchall()]
+
+
+def test_the_migrations_make_the_same_table_as_alembic(django_dbs, alias, tmp_path, pg_url) -> None:
+    def shape(url: str) -> dict:
+        engine = create_engine(url)
+        inspector = sa.inspect(engine)
+        columns = {c["name"]: (str(c["type"]).split("(")[0], c["nullable"]) for c in inspector.get_columns("qmq_outbox")}
+        indexes = {i["name"]: tuple(i["column_names"]) for i in inspector.get_indexes("qmq_outbox")}
+        engine.dispose()
+        return {"columns": columns, "indexes": indexes}
+
+    if alias == "default":
+        alembic_url = f"sqlite:///{tmp_path / 'alembic.sqlite3'}"
+        upgrade(alembic_url)
+        assert shape(django_dbs[alias]) == shape(alembic_url)
+    else:
+        with fresh_database(pg_url) as alembic_url:
+            upgrade(alembic_url)
+            assert shape(django_dbs[alias]) == shape(alembic_url)
+    assert set(shape(django_dbs[alias])["columns"]) == {c.name for c in outbox.columns}
+
+
+def test_commit_delivers_rollback_never_and_a_savepoint_drops_only_its_messages(producer, alias, engine,
+                                                                                 broker) -> None:
+    @qmq.transactional(producer)
+    def place_order(order_id: int, fail: bool = False) -> str:
+        assert connections[alias].in_atomic_block  # the transaction is on the producer's alias
+        insert_order(alias, order_id)
+        message_id = producer.send("order.created", {"id": order_id}, tags=["django"])
+        if fail:
+            raise RuntimeError("declined")
+        return message_id
+
+    @qmq.transactional(producer)
+    def place_two(order_id: int) -> str:
+        kept = place_order(order_id)
+        with pytest.raises(RuntimeError):
+            place_order(order_id + 1, fail=True)  # a nested atomic block: a savepoint
+        return kept
+
+    first = place_order(1)
+    with pytest.raises(RuntimeError):
+        place_order(2, fail=True)
+    second = place_two(10)
+
+    assert producer.flush(10)
+    assert order_ids(alias) == [1, 10]
+    assert states(engine) == {first: "sent", second: "sent"}
+    delivered = consume(broker.address, "order.created", 2)
+    assert sorted((d.id, d.body["id"]) for d in delivered) == sorted([(first, 1), (second, 10)])
+
+
+def test_an_atomic_block_of_the_app_is_joined_without_the_decorator(producer, alias, engine, broker) -> None:
+    with transaction.atomic(using=alias):
+        insert_order(alias, 5)
+        joined = producer.send("order.created", "in the app's atomic block")
+        assert committed_ids(engine) == set()  # not committed yet: invisible to another connection
+    with pytest.raises(ValueError), transaction.atomic(using=alias):
+        producer.send("order.created", "rolled back")
+        raise ValueError
+    alone = producer.send("order.created", "outside any transaction")  # commits on its own
+    assert producer.flush(10)
+    assert states(engine) == {joined: "sent", alone: "sent"}
+    assert sorted(d.id for d in consume(broker.address, "order.created", 2)) == sorted([joined, alone])
+
+
+def test_a_transaction_on_another_alias_is_not_the_producers(producer, alias, engine) -> None:
+    other = next(a for a in ALIASES if a != alias)
+    with pytest.raises(ValueError), transaction.atomic(using=other):
+        message_id = producer.send("order.created", "its own transaction")
+        raise ValueError("rolls back the other alias only")
+    assert producer.flush(10)
+    assert states(engine) == {message_id: "sent"}
