@@ -90,7 +90,8 @@ def test_the_migrations_make_the_same_table_as_alembic(django_dbs, alias, tmp_pa
     def shape(url: str) -> dict:
         engine = create_engine(url)
         inspector = sa.inspect(engine)
-        columns = {c["name"]: (str(c["type"]).split("(")[0], c["nullable"]) for c in inspector.get_columns("qmq_outbox")}
+        columns = {c["name"]: (str(c["type"]).split("(")[0], c["nullable"])
+                   for c in inspector.get_columns("qmq_outbox")}
         indexes = {i["name"]: tuple(i["column_names"]) for i in inspector.get_indexes("qmq_outbox")}
         engine.dispose()
         return {"columns": columns, "indexes": indexes}
