@@ -21,7 +21,7 @@ class OutboxTransaction(Protocol):
     dialect: str  # "postgresql" or "sqlite"
 
     def insert(self, values: dict[str, Any], lease_token: str | None, lease_s: float) -> None:
-        """INSERT one outbox row in the transaction."""
+        """INSERT one outbox row in the transaction, leased to `lease_token` for `lease_s` if given."""
 
     def notify(self) -> None:
         """Wake the relays when the transaction commits (PostgreSQL NOTIFY; nothing elsewhere)."""

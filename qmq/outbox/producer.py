@@ -128,7 +128,8 @@ class Producer:
         engine = self.sender_engine()
         lease = self.sender.token if self.after_commit and self.sender.has_room() else None
         with engine.begin() as conn:
-            conn.execute(insert(conn.dialect.name, lease, self.insert_lease_s), values)
+            params = {**values, "lease_token": lease, "lease_s": self.insert_lease_s} if lease else values
+            conn.execute(insert(conn.dialect.name, lease is not None), params)
             if lease is None and conn.dialect.name == "postgresql":
                 conn.execute(sa.text(NOTIFY_SQL))
         if lease is not None:
@@ -139,7 +140,8 @@ class Producer:
     @property
     def sender(self) -> Sender:
         if self._sender is None:
-            self._sender = Sender(self.sender_engine, self._new_client, token=str(uuid.uuid4()))
+            self._sender = Sender(self.sender_engine, self._new_client, token=str(uuid.uuid4()),
+                                  lease_s=self.insert_lease_s)
         return self._sender
 
     def handoff(self, shipments: list[Shipment]) -> None:

@@ -174,7 +174,8 @@ class DatabaseRelay:
             claimed = rows.claim_due(conn, token, self.settings.batch_rows, self.settings.lease_s)
         if not claimed:
             return None
-        report = shipping.ship(self.engine, client, [shipping.shipment(r) for r in claimed], token)
+        with self.engine.connect() as conn:
+            report = shipping.ship(conn, client, [shipping.shipment(r) for r in claimed], token)
         metrics.BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
         metrics.SHIPPED.labels(self.name).inc(len(report.sent))
         metrics.LEASE_LOST.labels(self.name).inc(report.lease_lost)

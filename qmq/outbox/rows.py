@@ -9,11 +9,13 @@ twice while they are healthy; a holder that died loses its rows when its lease e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 
+from qmq.db.ddl import dialect as ddl_dialect
 from qmq.outbox.schema import PENDING, SENT, outbox
 
 SQLITE_TIME_FORMAT = "%Y-%m-%d %H:%M:%f"  # UTC, sorts as text, read back by SQLAlchemy's DateTime
@@ -41,13 +43,60 @@ def retry_delay_s(attempts: int) -> float:
     return min(RETRY_BASE_S * 2 ** min(max(attempts - 1, 0), 30), RETRY_MAX_S)
 
 
-def insert(dialect: str, lease_token: str | None, lease_s: float) -> sa.Insert:
-    """The INSERT of new rows (parameters: the columns of `row_values`). With `lease_token`, the rows
-    are born leased to their producer's sender for `lease_s`, so relays leave them to it unless it dies."""
-    stmt = outbox.insert()
-    if lease_token is not None:
-        stmt = stmt.values(lease_token=lease_token, lease_expires_at=db_now_plus(dialect, lease_s))
+_INSERTS: dict[tuple[str, bool], sa.Insert] = {}
+
+
+def insert(dialect: str, leased: bool) -> sa.Insert:
+    """The INSERT of new rows. Parameters: the columns of the row, and when `leased`, `lease_token`
+    and `lease_s`: the row is born leased to its producer's sender for `lease_s`, so relays leave it
+    to that sender unless it dies. Built once per kind (the application calls it in every transaction)."""
+    stmt = _INSERTS.get((dialect, leased))
+    if stmt is None:
+        stmt = outbox.insert()
+        if leased:
+            stmt = stmt.values(lease_expires_at=db_now_plus(dialect, sa.bindparam("lease_s", type_=sa.Float)))
+        stmt = _INSERTS[(dialect, leased)] = stmt
     return stmt
+
+
+INSERT_COLUMNS = ("message_id", "subject", "body", "content_type", "headers", "tags", "key", "deliver_at")
+
+
+@dataclass(frozen=True)
+class CompiledInsert:
+    """The INSERT of one row as SQL text for a DB-API cursor, with its parameters in order and
+    converted as SQLAlchemy would (JSON encoded, SQLite datetimes as text). The producer runs it in
+    every business transaction, so it skips SQLAlchemy's per-statement work."""
+
+    sql: str
+    names: tuple[str, ...]
+    defaults: dict[str, Any]
+    processors: dict[str, Callable[[Any], Any]]
+
+    def parameters(self, values: dict[str, Any]) -> list[Any]:
+        out = []
+        for name in self.names:
+            value = values[name] if name in values else self.defaults.get(name)
+            processor = self.processors.get(name)
+            out.append(processor(value) if processor is not None and value is not None else value)
+        return out
+
+
+_COMPILED: dict[tuple[str, bool, str], CompiledInsert] = {}
+
+
+def compiled_insert(dialect: str, leased: bool, paramstyle: str) -> CompiledInsert:
+    """`insert(dialect, leased)` for cursors of `paramstyle` ("format": psycopg and Django cursors,
+    "qmark": sqlite3); parameters as for `insert`."""
+    key = (dialect, leased, paramstyle)
+    if key not in _COMPILED:
+        d = ddl_dialect(dialect)
+        columns = [*INSERT_COLUMNS, "lease_token"] if leased else list(INSERT_COLUMNS)
+        compiled = insert(dialect, leased).compile(dialect=type(d)(paramstyle=paramstyle), column_keys=columns)
+        processors = {c.name: p for c in outbox.columns if (p := c.type.bind_processor(d)) is not None}
+        _COMPILED[key] = CompiledInsert(str(compiled), tuple(compiled.positiontup or ()),
+                                        dict(compiled.params), processors)
+    return _COMPILED[key]
 
 
 @dataclass(frozen=True)
@@ -91,15 +140,13 @@ def claim_due(conn: sa.Connection, token: str, limit: int, lease_s: float) -> li
     return [ClaimedRow(*row) for row in conn.execute(stmt)]
 
 
-def confirm_lease(conn: sa.Connection, message_ids: Sequence[str], token: str, lease_s: float) -> set[str]:
-    """The ids among `message_ids` whose rows exist, are pending and still leased to `token`; their
-    lease is renewed for `lease_s`. A row rolled back with its transaction (or savepoint) is not there."""
+def still_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) -> set[str]:
+    """The ids among `message_ids` whose rows exist, are pending and still leased to `token`. A row
+    rolled back with its transaction (or savepoint) is not there. A read: no write, no fsync."""
     if not message_ids:
         return set()
-    stmt = (outbox.update()
-            .where(outbox.c.message_id.in_(message_ids), outbox.c.lease_token == token, outbox.c.state == PENDING)
-            .values(lease_expires_at=db_now_plus(conn.dialect.name, lease_s))
-            .returning(outbox.c.message_id))
+    stmt = sa.select(outbox.c.message_id).where(outbox.c.message_id.in_(message_ids),
+                                                outbox.c.lease_token == token, outbox.c.state == PENDING)
     return set(conn.execute(stmt).scalars())
 
 

@@ -2,9 +2,9 @@
 own process, on one background thread.
 
 The producer inserts each row leased to this sender's token; after the commit it hands the messages
-over with `offer`, which never blocks and never raises. The sender confirms which rows exist (a
-message whose transaction or savepoint rolled back has no row and is never shipped), ships them in
-batches and marks them sent under its lease. Anything it cannot ship (queue full, broker down,
+over with `offer`, which never blocks and never raises. The sender reads which rows exist (a message
+whose transaction or savepoint rolled back has no row and is never shipped), ships them in batches
+and marks them sent under its lease. Anything it cannot ship (queue full, broker down,
 database gone, process killed) is left to the relay: the row's lease runs out, or the sender gives it
 back at once with its error and a backoff.
 """
@@ -28,8 +28,8 @@ from qmq.outbox.shipping import Shipment
 log = logging.getLogger(__name__)
 
 QUEUE_MAX_MESSAGES = 10_000  # handed over but not yet shipped; beyond it, rows wait for the relay
-BATCH_MAX_MESSAGES = 256  # shipped together: one confirm, one send call, one mark
-SHIP_LEASE_S = 60.0  # a confirmed row is ours this long while it is being shipped
+BATCH_MAX_MESSAGES = 256  # shipped together: one read, one send call, one mark
+LINGER_S = 0.002  # after the first message, wait this long for more to ship with it (Kafka's linger.ms)
 CLOSE_TIMEOUT_S = 5.0  # close() waits this long for the queue to drain
 ERROR_LOG_INTERVAL_S = 10.0  # repeated failures are logged at most this often
 
@@ -42,10 +42,13 @@ class Sender:
     """Ships committed messages of one database from a background thread (started on first offer)."""
 
     def __init__(self, engine: Callable[[], sa.Engine], client: Callable[[], Client], token: str, *,
-                 queue_max: int = QUEUE_MAX_MESSAGES, batch_max: int = BATCH_MAX_MESSAGES) -> None:
+                 lease_s: float, queue_max: int = QUEUE_MAX_MESSAGES, batch_max: int = BATCH_MAX_MESSAGES) -> None:
         self._engine_factory = engine
         self._client_factory = client
         self.token = token
+        # Rows are born leased for lease_s; one not shipping within half of it is left to the relay, so
+        # that the lease outlives the send (a send outliving it could be shipped twice).
+        self.max_queued_s = lease_s / 2
         self.batch_max = batch_max
         self._queue: queue.Queue[Shipment | None] = queue.Queue(maxsize=queue_max)
         self._thread: threading.Thread | None = None
@@ -67,7 +70,9 @@ class Sender:
             return 0
         self._ensure_started()
         taken = 0
+        now = time.monotonic()
         for item in shipments:
+            item.queued_at = now
             try:
                 self._queue.put_nowait(item)
             except queue.Full:
@@ -110,19 +115,27 @@ class Sender:
 
     def _run(self) -> None:
         client: Client | None = None
+        conn: sa.Connection | None = None  # one connection held across batches: no checkout, no ping each time
         while True:
             batch, stop = self._take_batch()
             if batch:
                 try:
                     client = client or self._client_factory()
-                    self._ship(client, batch)
+                    conn = conn or self._engine_factory().connect()
+                    self._ship(conn, client, batch)
                 except Exception as exc:  # the database went away: the rows' leases run out, the relay ships
                     LEFT_FOR_RELAY.labels("error").inc(len(batch))
                     self._log_error("after-commit send of %d messages failed, left for the relay: %s", len(batch), exc)
+                    if conn is not None:
+                        with contextlib.suppress(Exception):
+                            conn.close()
+                    conn = None
                 finally:
                     self._done(len(batch))
             if stop:
                 break
+        if conn is not None:
+            conn.close()
         if client is not None:
             client.close()
 
@@ -132,9 +145,10 @@ class Sender:
         stop = first is None
         if first is not None:
             batch.append(first)
+        linger_until = time.monotonic() + LINGER_S
         while not stop and len(batch) < self.batch_max:
             try:
-                item = self._queue.get_nowait()
+                item = self._queue.get(timeout=max(linger_until - time.monotonic(), 0.0))
             except queue.Empty:
                 break
             if item is None:
@@ -152,14 +166,19 @@ class Sender:
             self._busy -= count
             self._idle.notify_all()
 
-    def _ship(self, client: Client, batch: list[Shipment]) -> None:
-        engine = self._engine_factory()
-        with engine.begin() as conn:
-            existing = rows.confirm_lease(conn, [s.message.id for s in batch], self.token, SHIP_LEASE_S)
+    def _ship(self, conn: sa.Connection, client: Client, batch: list[Shipment]) -> None:
+        oldest = time.monotonic() - self.max_queued_s
+        late = [s for s in batch if s.queued_at < oldest]
+        if late:
+            LEFT_FOR_RELAY.labels("late").inc(len(late))
+            self._log_error("%d messages waited too long for the after-commit sender; left for the relay", len(late))
+            batch = [s for s in batch if s.queued_at >= oldest]
+        with conn.begin():
+            existing = rows.still_leased(conn, [s.message.id for s in batch], self.token)
         confirmed = [s for s in batch if s.message.id in existing]
         if not confirmed:
             return
-        report = shipping.ship(engine, client, confirmed, self.token)
+        report = shipping.ship(conn, client, confirmed, self.token)
         SENT.inc(len(report.sent))
         if report.failed:
             LEFT_FOR_RELAY.labels("send_failed").inc(len(report.failed))

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 _PENDING = "qmq.outbox.pending"  # session.info key: [(producer, shipment)] awaiting the commit
 _NOTIFIED = "qmq.outbox.notified"  # session.info key: NOTIFY already queued in this transaction
-_HOOKED = "qmq.outbox.hooked"  # session.info key: our event listeners are on this session
 
 
 class SessionTransaction:
@@ -34,11 +33,18 @@ class SessionTransaction:
         self.session = session
         bind = session.get_bind()
         self.dialect = bind.dialect.name
+        self.paramstyle = "qmark" if self.dialect == "sqlite" else "format"
         producer.learn_engine(bind.engine if isinstance(bind, sa.Connection) else bind)
-        _hook(session)
 
     def insert(self, values: dict[str, Any], lease_token: str | None, lease_s: float) -> None:
-        self.session.execute(rows.insert(self.dialect, lease_token, lease_s), values)
+        params = {**values, "lease_token": lease_token, "lease_s": lease_s} if lease_token else values
+        connection = self.session.connection()  # begins the session's transaction if need be
+        statement = rows.compiled_insert(self.dialect, lease_token is not None, self.paramstyle)
+        cursor = connection.connection.dbapi_connection.cursor()
+        try:
+            cursor.execute(statement.sql, statement.parameters(params))
+        finally:
+            cursor.close()
 
     def notify(self) -> None:
         if self.dialect == "postgresql" and not self.session.info.get(_NOTIFIED):
@@ -56,17 +62,11 @@ class SessionTransaction:
         del self.session.info.get(_PENDING, [])[mark:]
 
 
-def _hook(session: Session) -> None:
-    if session.info.get(_HOOKED):
-        return
-    sa.event.listen(session, "after_commit", _after_commit)
-    sa.event.listen(session, "after_transaction_end", _after_transaction_end)
-    session.info[_HOOKED] = True
-
-
 def _after_commit(session: Session) -> None:
     if session.in_nested_transaction():
         return  # a savepoint was released: the outer transaction may still roll back
+    if not session.info:
+        return
     waiting = session.info.pop(_PENDING, None)
     session.info.pop(_NOTIFIED, None)
     if not waiting:
@@ -79,6 +79,12 @@ def _after_commit(session: Session) -> None:
 
 
 def _after_transaction_end(session: Session, transaction: Any) -> None:
-    if transaction.parent is None:  # the outermost transaction ended; after a commit these are gone already
+    if transaction.parent is None and session.info:  # the outermost transaction ended (after a commit: gone already)
         session.info.pop(_PENDING, None)
         session.info.pop(_NOTIFIED, None)
+
+
+# On every Session (and subclass) once, rather than per session: listening is costly, and these return
+# at once for a session that sent nothing.
+sa.event.listen(Session, "after_commit", _after_commit)
+sa.event.listen(Session, "after_transaction_end", _after_transaction_end)

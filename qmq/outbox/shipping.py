@@ -30,6 +30,7 @@ class Shipment:
 
     message: OutgoingMessage
     attempts: int = 0
+    queued_at: float = 0.0  # time.monotonic() when handed to a sender
 
 
 @dataclass
@@ -63,9 +64,10 @@ def send(client: Client, shipments: Sequence[Shipment]) -> list[SendResult]:
         return [SendResult(m.id, m.subject, False, error=f"{type(exc).__name__}: {exc}") for m in messages]
 
 
-def ship(engine: sa.Engine, client: Client, shipments: Sequence[Shipment], token: str) -> ShipReport:
-    """Send `shipments` (rows leased to `token`) and record the outcome of each row. Raises only if
-    the outcome could not be written (the rows then wait for their lease to expire)."""
+def ship(conn: sa.Connection, client: Client, shipments: Sequence[Shipment], token: str) -> ShipReport:
+    """Send `shipments` (rows leased to `token`) and record the outcome of each row on `conn` (not in
+    a transaction). Raises only if the outcome could not be written (the rows then wait for their
+    lease to expire)."""
     report = ShipReport()
     by_id = {s.message.id: s for s in shipments}
     for result in send(client, shipments):
@@ -74,7 +76,7 @@ def ship(engine: sa.Engine, client: Client, shipments: Sequence[Shipment], token
         else:
             error = result.error or f"error code {result.error_code}"
             report.failed.append(Failure(result.message_id, error, by_id[result.message_id].attempts))
-    with engine.begin() as conn:
+    with conn.begin():
         marked = rows.mark_sent(conn, report.sent, token) + rows.mark_failed(conn, report.failed, token)
     report.lease_lost = len(shipments) - marked
     if report.lease_lost:

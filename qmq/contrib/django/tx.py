@@ -8,10 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
 
-from qmq.db.ddl import dialect
 from qmq.outbox import rows
 from qmq.outbox.notify import NOTIFY_SQL
-from qmq.outbox.schema import outbox
 from qmq.outbox.shipping import Shipment
 
 if TYPE_CHECKING:
@@ -35,9 +33,10 @@ class DjangoTransaction:
         self.dialect = connections[alias].vendor
 
     def insert(self, values: dict[str, Any], lease_token: str | None, lease_s: float) -> None:
-        sql, params = _compiled(rows.insert(self.dialect, lease_token, lease_s).values(**values), self.dialect)
+        params = {**values, "lease_token": lease_token, "lease_s": lease_s} if lease_token else values
+        statement = rows.compiled_insert(self.dialect, lease_token is not None, "format")
         with connections[self.alias].cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(statement.sql, statement.parameters(params))
 
     def notify(self) -> None:
         if self.dialect == "postgresql":
@@ -46,17 +45,3 @@ class DjangoTransaction:
 
     def after_commit(self, shipment: Shipment) -> None:
         transaction.on_commit(lambda: self.producer.handoff([shipment]), using=self.alias)
-
-
-def _compiled(stmt: Any, vendor: str) -> tuple[str, list[Any]]:
-    """`stmt` as SQL with `%s` placeholders (what Django cursors take) and its parameters, converted
-    the way SQLAlchemy would for the column types (JSON encoded, SQLite datetimes as text)."""
-    d = dialect(vendor)
-    compiled = stmt.compile(dialect=type(d)(paramstyle="format"))
-    params = compiled.construct_params()
-    for name, value in params.items():
-        column = outbox.c.get(name)
-        processor = column.type.bind_processor(d) if column is not None and value is not None else None
-        if processor is not None:
-            params[name] = processor(value)
-    return str(compiled), [params[name] for name in compiled.positiontup]

@@ -1,0 +1,205 @@
+"""The transactional producer and the relay, on PostgreSQL, with a real `qmq broker` (sync flush) and
+`qmq relay` as processes on this machine (sharing its cores with PostgreSQL and the load generator).
+
+    .venv/bin/python bench/outbox.py            # every case
+    .venv/bin/python bench/outbox.py tx         # business transactions/s, 8 threads, with and without a send
+    .venv/bin/python bench/outbox.py latency    # commit to stored on the broker, after-commit path: p50/p99
+    .venv/bin/python bench/outbox.py drain      # the relay draining 1,000,000 pending rows
+
+Targets (issue 4): with the outbox at most 25% fewer transactions/s; commit to stored p99 < 20 ms;
+relay drain >= 30,000 msg/s. Bodies are 1 KiB. Each case makes its own database and drops it.
+Set QMQ_PG_ADMIN_URL to use another PostgreSQL server. Record the figures in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import sqlalchemy as sa
+from broker import BrokerProcess  # bench/broker.py
+from sqlalchemy.orm import Session
+
+import qmq
+from qmq.client.blocking import Client
+from qmq.db.engine import create_engine
+from qmq.db.migrate import upgrade
+from qmq.outbox.schema import outbox
+
+ROOT = Path(__file__).resolve().parents[1]
+PG_ADMIN_URL = os.environ.get("QMQ_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+BODY = {"order": "x" * 1000}  # about 1 KiB as JSON
+orders = sa.Table("bench_orders", sa.MetaData(), sa.Column("id", sa.BigInteger, primary_key=True),
+                  sa.Column("customer", sa.String(50)), sa.Column("amount", sa.Integer))
+
+
+class Database:
+    """A throw-away PostgreSQL database with qmq's tables and a business table."""
+
+    def __init__(self) -> None:
+        self.name = f"qmq_bench_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{self.name}"')
+        self.url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + self.name
+        upgrade(self.url)
+        self.engine = create_engine(self.url, pool_size=16)
+        orders.create(self.engine)
+
+    def drop(self) -> None:
+        self.engine.dispose()
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+
+
+def transactions(threads: int, seconds: float, with_send: bool) -> float:
+    """Business transactions per second: each inserts one order (and sends one message)."""
+    db = Database()
+    broker = BrokerProcess("sync")
+    producer = qmq.Producer(brokers=[f"127.0.0.1:{broker.port}"], engine=db.engine)
+    counter = iter(range(1, 1 << 62))
+    lock = threading.Lock()
+    done = [0] * threads
+    stop = time.monotonic() + seconds
+
+    @qmq.transactional(producer)
+    def place_order(session: Session) -> None:
+        with lock:
+            order_id = next(counter)
+        session.execute(orders.insert().values(id=order_id, customer="c", amount=42))
+        if with_send:
+            producer.send("order.created", BODY, key=str(order_id))
+
+    def run(i: int) -> None:
+        while time.monotonic() < stop:
+            place_order()
+            done[i] += 1
+
+    started = time.monotonic()
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    elapsed = time.monotonic() - started
+    producer.flush(60)
+    producer.close()
+    broker.stop()
+    db.drop()
+    return sum(done) / elapsed
+
+
+def commit_to_stored(rate: float, seconds: float) -> tuple[float, float, int]:
+    """Commit (in the app) to stored (by the broker), through the after-commit sender: p50, p99 in ms."""
+    db = Database()
+    broker = BrokerProcess("sync")
+    address = f"127.0.0.1:{broker.port}"
+    producer = qmq.Producer(brokers=[address], engine=db.engine)
+    committed: dict[str, float] = {}
+    stored: dict[str, float] = {}
+    consumer_stop = threading.Event()
+
+    def consume() -> None:
+        with Client(brokers=[address]) as client:
+            sub = client.subscribe("order.created", "bench", start="earliest")
+            while not consumer_stop.is_set():
+                for d in sub.pull(256, 0.2):
+                    stored[d.id] = d.stored_at.timestamp()
+                    sub.ack(d)
+            sub.close()
+
+    @qmq.transactional(producer)
+    def place_order(session: Session, order_id: int) -> str:
+        session.execute(orders.insert().values(id=order_id, customer="c", amount=42))
+        return producer.send("order.created", BODY)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    total = int(rate * seconds)
+    start = time.monotonic()
+    for n in range(total):
+        time.sleep(max(0.0, start + n / rate - time.monotonic()))
+        message_id = place_order(order_id=n)
+        committed[message_id] = time.time()
+    producer.flush(60)
+    deadline = time.monotonic() + 30
+    while len(stored) < total and time.monotonic() < deadline:
+        time.sleep(0.05)
+    consumer_stop.set()
+    reader.join()
+    producer.close()
+    broker.stop()
+    db.drop()
+    # stored_at has ms resolution: add half a ms so that the figure is not flattered by truncation
+    latencies = sorted(max(stored[m] + 0.0005 - t, 0.0) * 1000 for m, t in committed.items() if m in stored)
+    return latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)], total - len(latencies)
+
+
+def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float]:
+    """Rows/s of one `qmq relay` draining `rows` pending rows; also the seconds it took to load them."""
+    db = Database()
+    broker = BrokerProcess("sync")
+    body = ("{" + '"order":"' + "x" * 1000 + '"}')
+    loading = time.monotonic()
+    with psycopg.connect(db.url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO qmq_outbox (message_id, subject, body, content_type) "
+            "SELECT gen_random_uuid()::text, 'order.created', convert_to(%s, 'UTF8'), 'application/json' "
+            "FROM generate_series(1, %s)", (body, rows))
+        conn.execute("VACUUM ANALYZE qmq_outbox")
+    loaded = time.monotonic() - loading
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "qmq", "relay", "--db", db.url, "--broker", f"127.0.0.1:{broker.port}",
+         "--batch", str(batch), "--concurrency", str(concurrency), "-l", "WARNING"], cwd=ROOT)
+    started = time.monotonic()
+    with db.engine.connect() as conn:
+        while True:
+            pending = conn.execute(sa.select(sa.func.count()).where(outbox.c.state == "pending")).scalar_one()
+            conn.rollback()
+            if pending == 0:
+                break
+            time.sleep(0.2)
+    elapsed = time.monotonic() - started
+    relay.terminate()
+    relay.wait(60)
+    broker.stop()
+    db.drop()
+    return rows / elapsed, loaded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("case", nargs="?", choices=["tx", "latency", "drain"], default=None)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=500.0, help="transactions/s for the latency case")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--batch", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=4)
+    args = parser.parse_args()
+    print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, body 1 KiB, "
+          "broker flush sync, PostgreSQL local")
+    if args.case in (None, "tx"):
+        plain = transactions(args.threads, args.seconds, with_send=False)
+        outboxed = transactions(args.threads, args.seconds, with_send=True)
+        print(f"tx: {args.threads} threads: without send {plain:,.0f} tx/s, with send {outboxed:,.0f} tx/s "
+              f"({(1 - outboxed / plain) * 100:.1f}% fewer; target <= 25%)")
+    if args.case in (None, "latency"):
+        p50, p99, missing = commit_to_stored(args.rate, args.seconds)
+        print(f"latency: {args.rate:.0f} tx/s: commit to stored p50 {p50:.1f} ms, p99 {p99:.1f} ms "
+              f"(target p99 < 20 ms){f', {missing} not stored' if missing else ''}")
+    if args.case in (None, "drain"):
+        rate, loaded = drain(args.rows, args.batch, args.concurrency)
+        print(f"drain: {args.rows:,} rows, batch {args.batch}, {args.concurrency} threads: {rate:,.0f} msg/s "
+              f"(target >= 30,000; rows loaded in {loaded:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
