@@ -93,8 +93,11 @@ def test_the_migrations_make_the_same_table_as_alembic(django_dbs, alias, tmp_pa
         columns = {c["name"]: (str(c["type"]).split("(")[0], c["nullable"])
                    for c in inspector.get_columns("qmq_outbox")}
         indexes = {i["name"]: tuple(i["column_names"]) for i in inspector.get_indexes("qmq_outbox")}
+        with engine.connect() as conn:
+            options = conn.execute(sa.text("SELECT reloptions FROM pg_class WHERE relname = 'qmq_outbox'")).scalar() \
+                if engine.dialect.name == "postgresql" else None
         engine.dispose()
-        return {"columns": columns, "indexes": indexes}
+        return {"columns": columns, "indexes": indexes, "options": options}
 
     if alias == "default":
         alembic_url = f"sqlite:///{tmp_path / 'alembic.sqlite3'}"

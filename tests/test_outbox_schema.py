@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
 from qmq.outbox.schema import outbox
-from tests.support.databases import sqlite_or_postgres
+from tests.support.databases import fresh_database, sqlite_or_postgres
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -52,3 +52,13 @@ def test_the_pending_index_is_partial(engine) -> None:
     with engine.connect() as conn:
         definition = conn.execute(sa.text(query)).scalar_one()
     assert "WHERE" in definition.upper() and "pending" in definition
+
+
+def test_postgresql_pages_keep_room_for_hot_claims(pg_url) -> None:
+    with fresh_database(pg_url) as url:
+        upgrade(url)
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            options = conn.execute(sa.text("SELECT reloptions FROM pg_class WHERE relname = 'qmq_outbox'")).scalar()
+        engine.dispose()
+    assert options == ["fillfactor=70"]

@@ -6,12 +6,15 @@ from __future__ import annotations
 from django.db import migrations
 
 from qmq.db.ddl import create_statements, drop_statements
-from qmq.outbox.schema import outbox
+from qmq.outbox.schema import PG_STORAGE_PARAMETERS, outbox
 
 
 def create(apps, schema_editor) -> None:
-    for sql in create_statements([outbox], schema_editor.connection.vendor):
+    vendor = schema_editor.connection.vendor
+    for sql in create_statements([outbox], vendor):
         schema_editor.execute(sql, params=None)
+    if vendor == "postgresql":
+        schema_editor.execute(PG_STORAGE_PARAMETERS, params=None)
 
 
 def drop(apps, schema_editor) -> None:
