@@ -13,6 +13,7 @@ from qmq.client.blocking import Client, Subscription
 from qmq.client.core import (
     ClientError,
     Delivery,
+    InvalidMessage,
     MetaUnreachable,
     NoRoute,
     OutgoingMessage,
@@ -26,6 +27,7 @@ __all__ = [
     "Client",
     "ClientError",
     "Delivery",
+    "InvalidMessage",
     "MetaUnreachable",
     "NoRoute",
     "OutgoingMessage",
