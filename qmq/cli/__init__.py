@@ -10,6 +10,7 @@ import click
 from qmq import __version__
 from qmq.cli.broker import broker
 from qmq.cli.db import db
+from qmq.cli.delay_server import delay_server
 from qmq.cli.log import log
 from qmq.cli.meta import meta
 from qmq.cli.relay import relay
@@ -30,3 +31,4 @@ main.add_command(broker)
 main.add_command(send)
 main.add_command(tail)
 main.add_command(relay)
+main.add_command(delay_server)

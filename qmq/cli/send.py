@@ -1,11 +1,14 @@
-"""`qmq send`: send messages from the command line, printing each id once a broker stored it."""
+"""`qmq send`: send messages from the command line, printing each id once a broker (or, for a
+delayed message, a delay server) stored it."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import click
@@ -19,7 +22,6 @@ from qmq.protocol.limits import validate_subject
 
 CHUNK_BATCHES = 16  # one send() call covers this many batches; ids are printed after each call
 MAX_FAILURES_SHOWN = 10  # failed messages named one by one; the rest are counted
-DELAY_UNAVAILABLE = "delayed messages need the delay server, which is not available yet"
 
 
 @click.command("send")
@@ -31,8 +33,11 @@ DELAY_UNAVAILABLE = "delayed messages need the delay server, which is not availa
 @click.option("--header", "headers", multiple=True, metavar="K=V", help="a header (repeat for several)")
 @click.option("--json", "as_json", is_flag=True, help="BODY is JSON: send the value, as application/json")
 @click.option("--delay", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="deliver after this many seconds (needs the delay server)")
-@click.option("--at", default=None, metavar="ISO8601", help="deliver at this time (needs the delay server)")
+              help="deliver after this many seconds (through a delay server)")
+@click.option("--at", default=None, metavar="ISO8601",
+              help="deliver at this time, with its zone (2026-12-24T18:00:00+01:00, or Z for UTC)")
+@click.option("--delay-server", "delay_servers", multiple=True, metavar="HOST:PORT",
+              help="a delay server to use directly, instead of the meta server's (repeat for several)")
 @click.option("--count", type=click.IntRange(min=1), default=1, show_default=True, help="messages to send")
 @click.option("--size", type=click.IntRange(min=0), default=None, metavar="BYTES",
               help="send BYTES random bytes as each body, instead of BODY")
@@ -40,21 +45,22 @@ DELAY_UNAVAILABLE = "delayed messages need the delay server, which is not availa
               help="messages per broker request")
 def send(subject: str, body: str | None, meta: str | None, brokers: tuple[str, ...], token: str | None,
          log_level: str, tags: tuple[str, ...], key: str | None, headers: tuple[str, ...], as_json: bool,
-         delay: float | None, at: str | None, count: int, size: int | None, batch: int) -> None:
+         delay: float | None, at: str | None, delay_servers: tuple[str, ...], count: int, size: int | None,
+         batch: int) -> None:
     """Send COUNT messages to SUBJECT and print each message id, one per line, once a broker has
-    stored it. The body is BODY (text), --size random bytes, or else all of standard input."""
-    if delay is not None or at is not None:
-        raise click.ClickException(f"--delay and --at are refused: {DELAY_UNAVAILABLE}")
+    stored it (with --delay or --at: once a delay server has). The body is BODY (text), --size
+    random bytes, or else all of standard input."""
+    deliver_at = _deliver_at(delay, at)
     make_body = _body_maker(body, size, as_json)
     header_map = _parse_headers(headers)
-    client = make_client(meta, brokers, token, log_level, batch_size=batch)
+    client = make_client(meta, brokers, token, log_level, batch_size=batch, delay_servers=list(delay_servers))
     try:
-        _check_route(client, subject)
+        _check_route(client, subject, delayed=deliver_at is not None)
         sent = 0
         while sent < count:
             n = min(count - sent, batch * CHUNK_BATCHES)
-            messages = [OutgoingMessage(subject, make_body(), key=key, tags=tags, headers=header_map)
-                        for _ in range(n)]
+            messages = [OutgoingMessage(subject, make_body(), key=key, tags=tags, headers=header_map,
+                                        deliver_at=deliver_at) for _ in range(n)]
             results = client.send(messages)
             for result in results:
                 if result.ok:
@@ -66,6 +72,23 @@ def send(subject: str, body: str | None, meta: str | None, brokers: tuple[str, .
             sent += n
     finally:
         client.close()
+
+
+def _deliver_at(delay: float | None, at: str | None) -> int | None:
+    """ms since the epoch from --delay or --at; None for neither."""
+    if delay is not None and at is not None:
+        raise click.UsageError("give --delay or --at, not both")
+    if delay is not None:
+        return time.time_ns() // 1_000_000 + round(delay * 1000)
+    if at is None:
+        return None
+    try:
+        when = datetime.fromisoformat(at)
+    except ValueError:
+        raise click.UsageError(f"--at {at!r} is not an ISO 8601 time (2026-12-24T18:00:00+01:00)") from None
+    if when.tzinfo is None:
+        raise click.UsageError(f"--at {at!r} has no time zone: add one (+01:00, or Z for UTC)")
+    return int(when.timestamp() * 1000)
 
 
 def _body_maker(body: str | None, size: int | None, as_json: bool) -> Callable[[], Any]:
@@ -103,9 +126,9 @@ def _parse_headers(headers: tuple[str, ...]) -> dict[str, str] | None:
     return out or None
 
 
-def _check_route(client: Any, subject: str) -> None:
+def _check_route(client: Any, subject: str, *, delayed: bool = False) -> None:
     """Name the problem once, before sending, when the subject is not allowed, the meta server is
-    unreachable, or it knows no broker group that takes the subject."""
+    unreachable, or it knows no broker group (or delay server) that takes the subject."""
     try:
         validate_subject(subject)
     except ProtocolError as exc:
@@ -114,6 +137,11 @@ def _check_route(client: Any, subject: str) -> None:
         route = client.route(subject)
     except ClientError as exc:
         raise click.ClickException(str(exc)) from None
+    if delayed:
+        if not route.delay_route.writable_groups:
+            raise click.ClickException("no delay server is available for delayed messages: start `qmq delay-server` "
+                                       "with --meta, or give --delay-server HOST:PORT")
+        return
     if not route.writable_groups:
         if route.groups:
             names = ", ".join(g.name for g in route.groups)

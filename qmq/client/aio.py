@@ -19,12 +19,22 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
-from qmq.client.blocking import meta_error, no_route_error, resolve_servers
+from qmq.client.blocking import (
+    cancel_failed,
+    listed_delay_addresses,
+    meta_error,
+    no_route_error,
+    resolve_delay_servers,
+    resolve_servers,
+    static_delay_addresses,
+)
 from qmq.client.core import (
     ACK_FLUSH_INTERVAL_S,
     ACK_TIMEOUT_S,
+    CANCEL_TIMEOUT_S,
     DEFAULT_BATCH_SIZE,
     DEFAULT_PULL_MAX,
     DEFAULT_PULL_WAIT_S,
@@ -44,10 +54,20 @@ from qmq.client.core import (
     SubscriptionState,
     default_consumer_id,
     is_fatal_pull_error,
+    merge_cancel_outcomes,
     update_slots,
 )
 from qmq.client.pool import AsyncConnectionPool
-from qmq.client.routes import META_RETRY_S, META_TIMEOUT_S, Route, RouteCache, parse_route, route_request, static_route
+from qmq.client.routes import (
+    META_RETRY_S,
+    META_TIMEOUT_S,
+    Route,
+    RouteCache,
+    parse_route,
+    route_request,
+    static_route,
+    with_delay_servers,
+)
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 
@@ -63,8 +83,9 @@ class AsyncClient:
 
     def __init__(self, meta: str | None = None, brokers: Sequence[str] | None = None, token: str | None = None,
                  client_id: str | None = None, *, batch_size: int = DEFAULT_BATCH_SIZE,
-                 send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+                 send_timeout_s: float = SEND_TIMEOUT_S, delay_servers: Sequence[str] | None = None) -> None:
         self.meta, self.brokers = resolve_servers(meta, brokers)
+        self.delay_servers = resolve_delay_servers(delay_servers)
         self.token = token
         self.client_id = client_id
         self.batch_size = batch_size
@@ -78,7 +99,7 @@ class AsyncClient:
     async def route(self, subject: str, *, refresh: bool = False) -> Route:
         """The broker groups of `subject` (see `Client.route`)."""
         if self.meta is None:
-            return static_route(subject, self.brokers)
+            return static_route(subject, self.brokers, self.delay_servers)
         now = time.monotonic()
         if not refresh and (route := self._routes.fresh(subject, now)) is not None:
             return route
@@ -93,7 +114,7 @@ class AsyncClient:
             log.warning("%s; using the route fetched before", error)
             self._routes.put(stale, now, META_RETRY_S)
             return stale
-        route = parse_route(subject, reply)
+        route = with_delay_servers(parse_route(subject, reply), self.delay_servers)
         self._routes.put(route, now)
         return route
 
@@ -130,21 +151,43 @@ class AsyncClient:
         return job.results()
 
     async def send_one(self, subject: str, body: Any, *, key: str | None = None, tags: Sequence[str] = (),
-                       headers: Mapping[str, str] | None = None, message_id: str | None = None) -> SendResult:
+                       headers: Mapping[str, str] | None = None, message_id: str | None = None,
+                       deliver_at: datetime | int | None = None) -> SendResult:
         """Send one message; raises `SendError` if it was rejected or no group accepted it."""
-        message = OutgoingMessage(subject, body, key=key, tags=tuple(tags), headers=headers,
+        message = OutgoingMessage(subject, body, key=key, tags=tuple(tags), headers=headers, deliver_at=deliver_at,
                                   **({"id": message_id} if message_id else {}))
         result = (await self.send([message]))[0]
         if not result.ok:
             raise SendError(result)
         return result
 
+    async def cancel(self, message_ids: Iterable[str]) -> dict[str, str]:
+        """Cancel delayed messages by id (see `Client.cancel`)."""
+        ids = list(message_ids)
+        if not ids:
+            return {}
+        addresses = static_delay_addresses(self.meta, self.delay_servers)
+        if addresses is None:
+            assert self.meta is not None
+            try:
+                listing: dict[str, Any] | BaseException = await self._pool.request(self.meta, RequestCode.META_LIST,
+                                                                                   {}, META_TIMEOUT_S)
+            except (RemoteError, OSError) as exc:
+                listing = exc
+            addresses = listed_delay_addresses(self.meta, listing)
+        replies = await asyncio.gather(*(self._pool.request(a, RequestCode.DELAY_CANCEL, {"ids": ids}, CANCEL_TIMEOUT_S)
+                                         for a in addresses), return_exceptions=True)
+        for address, reply in zip(addresses, replies, strict=True):
+            if isinstance(reply, BaseException):
+                raise cancel_failed(address, reply) from None
+        return merge_cancel_outcomes(ids, replies)
+
     async def _send_batch(self, batch: SendBatch) -> dict[str, Any] | BaseException:
         """The reply, or the exception that stood in its way (returned, not raised)."""
         async with self._sends:
             try:
                 conn = await self._pool.get(batch.addresses[0])
-                return await conn.request(RequestCode.BROKER_SEND, batch.body, self.send_timeout_s)
+                return await conn.request(batch.code, batch.body, self.send_timeout_s)
             except Exception as exc:
                 return exc
 

@@ -24,11 +24,13 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from datetime import datetime
 from typing import Any
 
 from qmq.client.core import (
     ACK_FLUSH_INTERVAL_S,
     ACK_TIMEOUT_S,
+    CANCEL_TIMEOUT_S,
     DEFAULT_BATCH_SIZE,
     DEFAULT_PULL_MAX,
     DEFAULT_PULL_WAIT_S,
@@ -49,6 +51,7 @@ from qmq.client.core import (
     SubscriptionState,
     default_consumer_id,
     is_fatal_pull_error,
+    merge_cancel_outcomes,
     update_slots,
 )
 from qmq.client.pool import ConnectFailed, ConnectionPool
@@ -58,10 +61,12 @@ from qmq.client.routes import (
     META_TIMEOUT_S,
     Route,
     RouteCache,
+    listed_delay_servers,
     parse_address,
     parse_route,
     route_request,
     static_route,
+    with_delay_servers,
 )
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
@@ -87,13 +92,45 @@ def resolve_servers(meta: str | None, brokers: Sequence[str] | None) -> tuple[st
     return meta, ()
 
 
+def resolve_delay_servers(delay_servers: Sequence[str] | None) -> tuple[str, ...]:
+    """Delay server addresses given directly (they take precedence over the meta server's)."""
+    for address in delay_servers or ():
+        parse_address(address)
+    return tuple(delay_servers or ())
+
+
+def static_delay_addresses(meta: str | None, delay_servers: Sequence[str]) -> list[str] | None:
+    """The delay servers to ask without the meta server, or None when the meta server must say."""
+    if delay_servers:
+        return list(delay_servers)
+    if meta is None:
+        raise ClientError("no delay server is known: give delay_servers=[...] or a meta server")
+    return None
+
+
+def listed_delay_addresses(meta: str, reply: dict[str, Any] | BaseException) -> list[str]:
+    """The available delay servers in a META_LIST reply, or the error that stood in its way."""
+    if isinstance(reply, BaseException):
+        raise MetaUnreachable(f"cannot ask the meta server at {meta} for delay servers: {reply}")
+    addresses = listed_delay_servers(reply)
+    if not addresses:
+        raise ClientError(f"the meta server at {meta} knows no available delay server")
+    return addresses
+
+
+def cancel_failed(address: str, exc: BaseException) -> ClientError:
+    return ClientError(f"cancel not confirmed by delay server {address} ({exc}); the message may be there: "
+                       "cancel again (cancelling twice is harmless)")
+
+
 class Client:
     """A producer and the factory of subscriptions, over one pool of connections."""
 
     def __init__(self, meta: str | None = None, brokers: Sequence[str] | None = None, token: str | None = None,
                  client_id: str | None = None, *, batch_size: int = DEFAULT_BATCH_SIZE,
-                 send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+                 send_timeout_s: float = SEND_TIMEOUT_S, delay_servers: Sequence[str] | None = None) -> None:
         self.meta, self.brokers = resolve_servers(meta, brokers)
+        self.delay_servers = resolve_delay_servers(delay_servers)
         self.token = token
         self.client_id = client_id
         self.batch_size = batch_size
@@ -112,7 +149,7 @@ class Client:
         """The broker groups of `subject`, from the cache while it is fresh. Raises `MetaUnreachable`
         when the meta server cannot answer and no route was ever cached."""
         if self.meta is None:
-            return static_route(subject, self.brokers)
+            return static_route(subject, self.brokers, self.delay_servers)
         now = time.monotonic()
         if not refresh and (route := self._routes.fresh(subject, now)) is not None:
             return route
@@ -126,7 +163,7 @@ class Client:
             log.warning("%s; using the route fetched before", error)
             self._routes.put(stale, now, META_RETRY_S)
             return stale
-        route = parse_route(subject, reply)
+        route = with_delay_servers(parse_route(subject, reply), self.delay_servers)
         self._routes.put(route, now)
         return route
 
@@ -168,9 +205,10 @@ class Client:
         return job.results()
 
     def send_one(self, subject: str, body: Any, *, key: str | None = None, tags: Sequence[str] = (),
-                 headers: Mapping[str, str] | None = None, message_id: str | None = None) -> SendResult:
+                 headers: Mapping[str, str] | None = None, message_id: str | None = None,
+                 deliver_at: datetime | int | None = None) -> SendResult:
         """Send one message; raises `SendError` if it was rejected or no group accepted it."""
-        message = OutgoingMessage(subject, body, key=key, tags=tuple(tags), headers=headers,
+        message = OutgoingMessage(subject, body, key=key, tags=tuple(tags), headers=headers, deliver_at=deliver_at,
                                   **({"id": message_id} if message_id else {}))
         result = self.send([message])[0]
         if not result.ok:
@@ -186,10 +224,34 @@ class Client:
     def _send_batch(self, batch: SendBatch) -> dict[str, Any] | BaseException:
         """The reply, or the exception that stood in its way (returned, not raised)."""
         try:
-            return self._pool.get(batch.addresses[0]).request(RequestCode.BROKER_SEND, batch.body,
-                                                               self.send_timeout_s)
+            return self._pool.get(batch.addresses[0]).request(batch.code, batch.body, self.send_timeout_s)
         except Exception as exc:
             return exc
+
+    def cancel(self, message_ids: Iterable[str]) -> dict[str, str]:
+        """Cancel delayed messages by id. Every delay server is asked (the message is on one of
+        them); the outcome per id is "cancelled" (it will never be delivered), "too_late" (it was
+        due already: delivered, or being delivered) or "unknown" (no delay server knows it; docs/delay.md).
+        Raises `ClientError` when a delay server could not be asked."""
+        ids = list(message_ids)
+        if not ids:
+            return {}
+        addresses = static_delay_addresses(self.meta, self.delay_servers)
+        if addresses is None:
+            assert self.meta is not None
+            try:
+                listing: dict[str, Any] | BaseException = self._pool.request(self.meta, RequestCode.META_LIST, {},
+                                                                             META_TIMEOUT_S)
+            except (RemoteError, OSError) as exc:
+                listing = exc
+            addresses = listed_delay_addresses(self.meta, listing)
+        replies = []
+        for address in addresses:
+            try:
+                replies.append(self._pool.request(address, RequestCode.DELAY_CANCEL, {"ids": ids}, CANCEL_TIMEOUT_S))
+            except (RemoteError, OSError) as exc:
+                raise cancel_failed(address, exc) from None
+        return merge_cancel_outcomes(ids, replies)
 
     def _send_executor(self) -> ThreadPoolExecutor:
         with self._executor_lock:
@@ -302,6 +364,11 @@ class Subscription:
             self.flush()  # about to wait: send what is finished now rather than after the wait
             self._pull_round(max, wait_s)
             return self._take_buffered(max)
+
+    def take_buffered(self, max: int = DEFAULT_PULL_MAX) -> list[Delivery]:
+        """Deliveries already received and not yet returned by `pull`, without asking any broker for
+        more: for a consumer that stops pulling and wants to finish what it was handed."""
+        return self._take_buffered(max)
 
     def ack(self, delivery: Delivery) -> None:
         """Mark a delivery done. Acknowledgements go out in batches: on `flush()`, before a pull

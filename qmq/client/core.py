@@ -30,6 +30,7 @@ from typing import Any
 from qmq.client.routes import Route, RouteGroup
 from qmq.ids import new_id
 from qmq.protocol import envelope
+from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from qmq.protocol.limits import (
     GROUP_RE,
@@ -128,6 +129,13 @@ class OutgoingMessage:
     created_at: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
     # Given: `body` is already encoded bytes of this type (an outbox row); None: inferred from the body.
     content_type: str | None = None
+    # When to deliver: an aware datetime, or ms since the epoch. In the future: the message goes to a
+    # delay server, which hands it to a broker then; None or a time already past: straight to a broker.
+    deliver_at: datetime | int | None = None
+
+    def __post_init__(self) -> None:
+        if self.deliver_at is not None:
+            object.__setattr__(self, "deliver_at", deliver_at_ms(self.deliver_at))
 
     def to_wire(self) -> dict[str, Any]:
         """The message as BROKER_SEND carries it, its body wrapped in the envelope. Raises
@@ -135,6 +143,31 @@ class OutgoingMessage:
         encoded."""
         return wire_message(self.subject, self.body, key=self.key, tags=self.tags, headers=self.headers,
                             message_id=self.id, created_at=self.created_at, content_type=self.content_type)
+
+
+class ForwardedMessage(OutgoingMessage):
+    """A message whose payload is already an envelope (the delay server handing on what a producer
+    sent): sent as it is, with its id."""
+
+    def __init__(self, subject: str, body: Any = None, *, payload: bytes, key: str | None = None,
+                 tags: Sequence[str] = (), id: str) -> None:
+        super().__init__(subject, body, key=key, tags=tuple(tags), id=id)
+        object.__setattr__(self, "payload", payload)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"id": self.id, "subject": self.subject, "payload": self.payload, "key": self.key,
+                "tags": list(self.tags)}
+
+
+def deliver_at_ms(value: datetime | int) -> int:
+    """A delivery time as ms since the epoch: from an aware datetime, or an int already in ms."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError("deliver_at must be an aware datetime (with a tzinfo), or ms since the epoch")
+        return int(value.timestamp() * 1000)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"deliver_at must be an aware datetime or ms since the epoch, not {type(value).__name__}")
 
 
 def wire_message(subject: str, body: Any, *, key: str | None = None, tags: Sequence[str] = (),
@@ -220,12 +253,14 @@ def choose_group(route: Route, message_id: str, *, tried: Sequence[str] = (), he
 
 @dataclass
 class SendBatch:
-    """One BROKER_SEND: `indices` are the positions of its messages in the job."""
+    """One BROKER_SEND (or DELAY_SEND to a delay server): `indices` are the positions of its
+    messages in the job."""
 
     group: str
     addresses: tuple[str, ...]
     indices: list[int]
     body: dict[str, Any]
+    code: int = RequestCode.BROKER_SEND
 
 
 def classify_send_error(exc: BaseException) -> tuple[bool, int, str]:
@@ -259,9 +294,15 @@ class SendJob:
         self._tried: list[list[str]] = [[] for _ in self.messages]
         self._last_error: list[tuple[int, str] | None] = [None] * len(self.messages)
         self.retry_delay_s = 0.0  # set by plan(): wait this long before sending its batches
+        self.delayed: list[bool] = []  # goes to a delay server (deliver_at in the future)
+        now_ms = time.time_ns() // 1_000_000
         for message in self.messages:
+            deliver_at = getattr(message, "deliver_at", None)
+            self.delayed.append(deliver_at is not None and deliver_at > now_ms)
             try:
                 self.wires.append(message.to_wire())
+                if self.delayed[-1]:
+                    self.wires[-1]["deliver_at"] = deliver_at
                 self._results.append(None)
             except InvalidMessage as exc:
                 self.wires.append(None)
@@ -288,11 +329,14 @@ class SendJob:
              now: float = 0.0) -> list[SendBatch]:
         """The batches for the next round: each pending message offered to one group. Messages with
         no writable group left, or out of attempts, fail here with the last error they met."""
-        by_group: dict[str, tuple[RouteGroup, list[int]]] = {}
+        by_group: dict[tuple[bool, str], tuple[RouteGroup, list[int]]] = {}
         self.retry_delay_s = 0.0
         for i in self._pending():
             message = self.messages[i]
             route = routes.get(message.subject)
+            delayed = self.delayed[i]
+            if delayed and route is not None:
+                route = route.delay_route
             if len(self._tried[i]) >= self.max_attempts:
                 code, text = self._last_error[i] or (ErrorCode.UNAVAILABLE, "no attempt left")
                 tried = ", ".join(dict.fromkeys(self._tried[i]))
@@ -302,7 +346,8 @@ class SendJob:
             group, again = choose_group(route, message.id, tried=self._tried[i], health=health, now=now) \
                 if route is not None else (None, False)
             if group is None:
-                text = f"no writable broker group carries subject {message.subject!r}"
+                text = "no delay server is available for delayed messages" if delayed else \
+                    f"no writable broker group carries subject {message.subject!r}"
                 if self._last_error[i] is not None:
                     text += f" (last error: {self._last_error[i][1]})"
                 self._results[i] = self._failure(message, ErrorCode.UNAVAILABLE, text)
@@ -310,21 +355,21 @@ class SendJob:
             if again:
                 self.retry_delay_s = RETRY_DELAY_S
             self._tried[i].append(group.name)
-            by_group.setdefault(group.name, (group, []))[1].append(i)
+            by_group.setdefault((delayed, group.name), (group, []))[1].append(i)
         batches = []
-        for group, indices in by_group.values():
+        for (delayed, _name), (group, indices) in by_group.items():
             batch: list[int] = []
             size = 0
             for i in indices:
                 wire = self.wires[i]
                 assert wire is not None
                 if batch and (len(batch) >= self.batch_size or size + len(wire["payload"]) > self.max_batch_bytes):
-                    batches.append(self._batch(group, batch))
+                    batches.append(self._batch(group, batch, delayed))
                     batch, size = [], 0
                 batch.append(i)
                 size += len(wire["payload"])
             if batch:
-                batches.append(self._batch(group, batch))
+                batches.append(self._batch(group, batch, delayed))
         return batches
 
     def on_reply(self, batch: SendBatch, reply: dict[str, Any]) -> None:
@@ -360,12 +405,31 @@ class SendJob:
     def _pending(self) -> list[int]:
         return [i for i, r in enumerate(self._results) if r is None]
 
-    def _batch(self, group: RouteGroup, indices: list[int]) -> SendBatch:
-        return SendBatch(group.name, group.addresses, indices, {"messages": [self.wires[i] for i in indices]})
+    def _batch(self, group: RouteGroup, indices: list[int], delayed: bool = False) -> SendBatch:
+        return SendBatch(group.name, group.addresses, indices, {"messages": [self.wires[i] for i in indices]},
+                         RequestCode.DELAY_SEND if delayed else RequestCode.BROKER_SEND)
 
     @staticmethod
     def _failure(message: OutgoingMessage, code: int, text: str) -> SendResult:
         return SendResult(message.id, message.subject, False, error_code=int(code), error=text)
+
+
+# ---- cancelling delayed messages -------------------------------------------------------------------
+
+CANCEL_TIMEOUT_S = 10.0  # wait for one DELAY_CANCEL reply
+CANCEL_OUTCOMES = ("cancelled", "too_late", "unknown")  # best first
+
+
+def merge_cancel_outcomes(ids: Sequence[str], replies: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """One outcome per id from every delay server's DELAY_CANCEL reply: the message is on one of
+    them, so the best outcome wins ("cancelled": it will never be delivered; "too_late": it was due
+    already and was or is being delivered; "unknown": no delay server knows it)."""
+    best = dict.fromkeys(ids, len(CANCEL_OUTCOMES) - 1)
+    for reply in replies:
+        for message_id, outcome in zip(ids, reply.get("outcomes") or (), strict=False):
+            if outcome in CANCEL_OUTCOMES:
+                best[message_id] = min(best[message_id], CANCEL_OUTCOMES.index(outcome))
+    return {message_id: CANCEL_OUTCOMES[rank] for message_id, rank in best.items()}
 
 
 # ---- consuming -------------------------------------------------------------------------------------

@@ -50,10 +50,17 @@ class RouteGroup:
 class Route:
     subject: str
     groups: tuple[RouteGroup, ...]
+    # Delay servers, each a group of its own named by its address (delayed messages go there).
+    delay_servers: tuple[RouteGroup, ...] = ()
 
     @functools.cached_property
     def writable_groups(self) -> tuple[RouteGroup, ...]:
         return tuple(g for g in self.groups if g.writable)
+
+    @functools.cached_property
+    def delay_route(self) -> Route:
+        """The route of the subject's delayed messages: its groups are the delay servers."""
+        return Route(self.subject, self.delay_servers)
 
     def group(self, name: str) -> RouteGroup | None:
         return next((g for g in self.groups if g.name == name), None)
@@ -75,13 +82,30 @@ def parse_route(subject: str, reply: dict[str, Any]) -> Route:
             available=bool(item.get("available", True)),
             read_only=bool(item.get("read_only", False)),
         ))
-    return Route(subject, tuple(groups))
+    delay_servers = tuple(RouteGroup(str(item["address"]), (str(item["address"]),), bool(item.get("available", True)))
+                          for item in reply.get("delay_servers") or ())
+    return Route(subject, tuple(groups), delay_servers)
 
 
-def static_route(subject: str, brokers: Sequence[str]) -> Route:
-    """The route when broker addresses are given directly: every address is a group of its own,
-    named by its address, and always assumed writable (a failed send tries the next one)."""
-    return Route(subject, tuple(RouteGroup(address, (address,)) for address in brokers))
+def static_route(subject: str, brokers: Sequence[str], delay_servers: Sequence[str] = ()) -> Route:
+    """The route when broker (and delay server) addresses are given directly: every address is a
+    group of its own, named by its address, and always assumed writable (a failed send tries the
+    next one)."""
+    return Route(subject, tuple(RouteGroup(address, (address,)) for address in brokers),
+                 tuple(RouteGroup(address, (address,)) for address in delay_servers))
+
+
+def with_delay_servers(route: Route, delay_servers: Sequence[str]) -> Route:
+    """`route` with these delay servers instead of the meta server's (given to the client directly)."""
+    if not delay_servers:
+        return route
+    return Route(route.subject, route.groups, tuple(RouteGroup(a, (a,)) for a in delay_servers))
+
+
+def listed_delay_servers(reply: dict[str, Any]) -> list[str]:
+    """The available delay servers in a META_LIST reply."""
+    return [str(s["address"]) for s in reply.get("servers") or ()
+            if s.get("kind") == "delay" and s.get("available", True)]
 
 
 class RouteCache:

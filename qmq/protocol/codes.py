@@ -39,3 +39,8 @@ class RequestCode(IntEnum):
     META_ROUTE = 203  # {"subject", "create": bool} -> {"subject", "groups": [...], "delay_servers": [...]}
     META_SET_READ_ONLY = 204  # {"group", "read_only": bool} -> {"group", "read_only", "changed"}
     META_LIST = 205  # {} -> {"groups", "servers", "routes", ...}: everything, for admins and tests
+
+    # Delay server (see docs/delay.md for the bodies).
+    DELAY_SEND = 300  # {"messages": [{..., "deliver_at": ms}]} -> {"stored", "rejected"}, as BROKER_SEND
+    DELAY_CANCEL = 301  # {"ids": [str]} -> {"outcomes": ["cancelled" | "too_late" | "unknown", ...]}
+    DELAY_STATS = 302  # {} -> {"now_ms", "pending", "buckets", "fired", ...}

@@ -1,0 +1,55 @@
+"""What the delay server writes in its logs: a delayed message and a cancel, as log-store records.
+
+Both use the message-log record layout (docs/formats.md). A delayed message keeps its subject, id,
+key and tags; its payload is the 8-byte due time (ms since the epoch, big-endian) followed by the
+producer's payload, untouched. A cancel is a record of the `%ACTION%` subject named by the id it
+cancels; its payload is the time until which the cancel is kept. Only `read_file` does I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+from qmq.protocol.limits import ACTION_SUBJECT
+from qmq.store import record as rec
+from qmq.store.store import Message
+
+DELAYED = 0x10  # record flag: a delayed message, payload = due time + producer's payload
+CANCEL = 0x20  # record flag: a cancel of the message with this record's id
+DUE = struct.Struct(">q")  # the payload's first 8 bytes
+
+
+def delayed(subject: str, message_id: str, payload: bytes, key: str | None, tags: Sequence[str],
+            due_ms: int) -> Message:
+    return Message(subject, message_id, DUE.pack(due_ms) + payload, key, tuple(tags), DELAYED)
+
+
+def cancel(message_id: str, keep_until_ms: int) -> Message:
+    return Message(ACTION_SUBJECT, message_id, DUE.pack(keep_until_ms), None, (), CANCEL)
+
+
+def read_file(path: Path) -> tuple[list[rec.Record], rec.RecordError | None]:
+    """The records of a file written record after record (a bucket's .log, a cancels file), and the
+    error that ended the reading early (a torn tail, or damage), if one did. Positions are offsets."""
+    data = path.read_bytes()
+    out = []
+    pos = 0
+    while pos < len(data):
+        try:
+            record = rec.decode(data, pos, 0)
+        except rec.RecordError as exc:
+            return out, exc
+        out.append(record)
+        pos += record.size
+    return out, None
+
+
+def due_of(payload: bytes) -> int:
+    return DUE.unpack_from(payload, 0)[0]
+
+
+def body_of(payload: bytes) -> bytes:
+    """The producer's payload (the client's envelope)."""
+    return payload[DUE.size:]

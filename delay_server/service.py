@@ -1,0 +1,380 @@
+"""The delay server's request handler and the path of a delayed message to its bucket.
+
+DELAY_SEND: each message is checked on its own (as BROKER_SEND), its due time is its `deliver_at`,
+or now if that is past; messages due beyond `max_delay` are refused. Sends of one loop iteration are
+appended to the message log together; once durable they are filed into their buckets (in
+message-log order, so a bucket never holds an entry twice after a crash, see schedule_log.py), then
+the sender is answered. DELAY_CANCEL records cancels the same way. A checkpoint every second
+fsyncs the buckets, cancels and dispatch logs and records how far the message log is filed.
+
+At start, `recover` files again what the message log holds after the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from delay_server import records
+from delay_server.cancels import Cancels
+from delay_server.clock import Clock
+from delay_server.dispatch_log import DONE_SUFFIX
+from delay_server.schedule_log import ScheduleLog
+from delay_server.scheduler import Scheduler
+from qmq.net.server import PeerInfo
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.connection import Request
+from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
+from qmq.protocol.limits import DEFAULT_LIMITS, MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, Limits, validate_subject, validate_tags
+from qmq.store import record as rec
+from qmq.store.flush import FlushFailed
+from qmq.store.message_log import scan_segment
+from qmq.store.store import Appended, LogStore, Message, StoreError
+
+log = logging.getLogger("qmq.delay")
+
+DEFAULT_MAX_DELAY_S = 730 * 86400  # two years
+CHECKPOINT_INTERVAL_S = 1.0
+REPLAY_BUFFER_BYTES = 8 * 1024 * 1024  # copies held during recovery before they are written out
+MAX_CANCEL_IDS = 4096
+DAY_MS = 86_400_000
+_DUE_PACK = records.DUE.pack
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message, fatal=False)
+
+
+def iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+
+
+class DelayService:
+    def __init__(self, store: LogStore, schedule: ScheduleLog, cancels: Cancels, scheduler: Scheduler, clock: Clock,
+                 *, max_delay_s: float = DEFAULT_MAX_DELAY_S, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.store = store
+        self.schedule = schedule
+        self.cancels = cancels
+        self.scheduler = scheduler
+        self.clock = clock
+        self.max_delay_ms = int(max_delay_s * 1000)
+        self.limits = limits
+        self.filed_upto = store.message_log.end_offset  # everything before is in its bucket (after recover)
+        self.failed: BaseException | None = None  # filing into the buckets failed: refuse until restarted
+        self._appends: list[tuple[list[Message], asyncio.Future[list[Appended]]]] = []
+        self._to_file: deque[tuple[int, list[tuple[Appended, Message]]]] = deque()  # to file, in log order
+        self._valid_subjects: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._handlers = {
+            RequestCode.PING: self._ping,
+            RequestCode.DELAY_SEND: self._send,
+            RequestCode.DELAY_CANCEL: self._cancel,
+            RequestCode.DELAY_STATS: self._stats,
+        }
+
+    # ---- recovery, background, stop ---------------------------------------------------------------
+
+    def recover(self) -> int:
+        """File into the buckets what the message log holds after the schedule checkpoint (a crash
+        may have left it unfiled or half-filed); how many records. Blocking: run it before serving."""
+        start = self.schedule.checkpoint_offset
+        message_log = self.store.message_log
+        if start < message_log.start_offset:
+            log.error("the message log from %d was removed before it was filed into the schedule log (filed up to "
+                      "%d): messages in between are lost", message_log.start_offset, start)
+            start = message_log.start_offset
+        cut: set[int] = set()
+        pending: dict[int, list[tuple[int, int, bytes]]] = defaultdict(list)
+        cancels: list[tuple[int, str, int]] = []
+        replayed = buffered = 0
+        for record in _records_from(self.store, start):
+            replayed += 1
+            if record.flags & records.CANCEL:
+                cancels.append((record.offset, record.message_id, records.due_of(record.payload)))
+            elif record.flags & records.DELAYED:
+                due = records.due_of(record.payload)
+                bucket_start = self.schedule.start_of(due)
+                if bucket_start not in cut:
+                    bucket = self.schedule.bucket(bucket_start, create=True)
+                    assert bucket is not None
+                    dropped = bucket.cut_from(start)
+                    if dropped:
+                        log.info("bucket %s: %d entries after the checkpoint cut, to be filed again", bucket.name,
+                                 dropped)
+                    (self.scheduler.dispatch_dir / (bucket.name + DONE_SUFFIX)).unlink(missing_ok=True)
+                    self.scheduler.done.discard(bucket_start)
+                    cut.add(bucket_start)
+                pending[bucket_start].append((record.offset, due, self._log_bytes(record.offset, record.end)))
+                buffered += record.size
+                if buffered >= REPLAY_BUFFER_BYTES:
+                    self._append_replayed(pending)
+                    buffered = 0
+        self._append_replayed(pending)
+        if cancels:
+            self.cancels.add(cancels)
+        end = message_log.end_offset
+        self.schedule.save_checkpoint(end, self.schedule.take_dirty() + self.cancels.take_dirty())
+        self.filed_upto = end
+        log.info("schedule log recovered: %d records after the checkpoint filed again into %d buckets", replayed,
+                 len(cut))
+        return replayed
+
+    def _append_replayed(self, pending: dict[int, list[tuple[int, int, bytes]]]) -> None:
+        for bucket_start, items in pending.items():
+            self.schedule.append(bucket_start, items)
+        pending.clear()
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._checkpoint_loop()))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(StoreError, FlushFailed):  # file what requests cut short left durable
+            await self.store.durable(self.store.message_log.end_offset)
+            self._file_durable()
+        await self.checkpoint()
+
+    async def checkpoint(self) -> None:
+        """Fsync what was filed and delivered, and record how far the message log is filed."""
+        offset = self.filed_upto
+        dirty = self.schedule.take_dirty() + self.cancels.take_dirty() + self.scheduler.take_dirty()
+        if offset == self.schedule.checkpoint_offset and not dirty:
+            return
+        await asyncio.to_thread(self.schedule.save_checkpoint, offset, dirty)
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_INTERVAL_S)
+            try:
+                await self.checkpoint()
+            except Exception:
+                log.exception("schedule checkpoint failed; the next one tries again (a restart replays more)")
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    async def handle(self, request: Request, peer: PeerInfo) -> dict[str, Any] | None:
+        handler = self._handlers.get(request.code)
+        if handler is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"the delay server has no request code {request.code}",
+                                fatal=False)
+        body = request.body if request.body is not None else {}
+        if not isinstance(body, dict):
+            raise ProtocolError(ErrorCode.BAD_BODY, "the body must be a map", fatal=False)
+        try:
+            return await handler(body)
+        except (StoreError, FlushFailed) as exc:
+            log.error("request %s from %s: the store cannot take it: %s", _request_name(request.code), peer, exc)
+            raise RemoteError(ErrorCode.UNAVAILABLE, f"the delay server's store cannot take this now: {exc}") from None
+
+    async def _ping(self, body: dict[str, Any]) -> dict[str, Any]:
+        return body
+
+    async def _send(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise _bad("missing field 'messages' (a list)")
+        self._check_healthy()
+        now = self.clock.now_ms()
+        batch: list[Message] = []
+        rejected: list[list[Any]] = []
+        for index, item in enumerate(messages):
+            try:
+                batch.append(self._message(item, now))
+            except ProtocolError as exc:
+                rejected.append([index, int(exc.code), exc.message])
+        if batch:
+            await self._append_and_file(batch)
+        return {"stored": len(batch), "rejected": rejected}
+
+    def _message(self, item: Any, now: int) -> Message:
+        """The message to append, or a ProtocolError saying why not. The hot path: plain type checks."""
+        if type(item) is not dict:
+            raise _bad("a message must be a map")
+        subject = item.get("subject")
+        if type(subject) is not str or subject not in self._valid_subjects:
+            validate_subject(subject, limits=self.limits)
+            self._valid_subjects.add(subject)
+        message_id = item.get("id")
+        if type(message_id) is not str or not 0 < len(message_id) <= MAX_MESSAGE_ID_LEN \
+                or (len(message_id) > MAX_MESSAGE_ID_LEN // 4 and len(message_id.encode()) > MAX_MESSAGE_ID_LEN):
+            raise _bad(f"message id must be a string of 1-{MAX_MESSAGE_ID_LEN} bytes")
+        payload = item.get("payload")
+        if type(payload) is not bytes:
+            raise _bad(f"message {message_id}: payload must be bytes")
+        if len(payload) > self.limits.max_message_bytes:
+            raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, f"message {message_id} is {len(payload)} bytes, "
+                                f"the limit is {self.limits.max_message_bytes}", fatal=False)
+        key = item.get("key")
+        if key is not None and (not isinstance(key, str) or len(key.encode()) > MAX_KEY_LEN):
+            raise _bad(f"message {message_id}: key must be a string of at most {MAX_KEY_LEN} bytes")
+        tags = item.get("tags")
+        tags = validate_tags(tags) if tags else ()
+        deliver_at = item.get("deliver_at")
+        if type(deliver_at) is not int:
+            raise _bad(f"message {message_id}: deliver_at must be ms since the epoch")
+        if deliver_at > now + self.max_delay_ms:
+            raise _bad(f"message {message_id}: deliver_at {iso(deliver_at)} is {(deliver_at - now) / DAY_MS:.1f} "
+                       f"days ahead; this delay server takes at most {self.max_delay_ms / DAY_MS:g} days")
+        return Message(subject, message_id, _DUE_PACK(max(deliver_at, now)) + payload, key or None, tags,
+                       records.DELAYED)
+
+    async def _cancel(self, body: dict[str, Any]) -> dict[str, Any]:
+        ids = body.get("ids")
+        if not isinstance(ids, list) or not all(isinstance(i, str) and 0 < len(i.encode()) <= MAX_MESSAGE_ID_LEN
+                                                for i in ids):
+            raise _bad(f"'ids' must be a list of message ids (strings of 1-{MAX_MESSAGE_ID_LEN} bytes)")
+        if len(ids) > MAX_CANCEL_IDS:
+            raise _bad(f"at most {MAX_CANCEL_IDS} ids per request")
+        self._check_healthy()
+        now = self.clock.now_ms()
+        outcomes, batch = [], []
+        keep_until = now + self.max_delay_ms
+        for message_id in ids:
+            outcome = self._cancel_outcome(message_id, now)
+            outcomes.append(outcome)
+            if outcome != "too_late" and message_id not in self.cancels:
+                batch.append(records.cancel(message_id, keep_until))
+        for message in batch:  # from now on the wheel holds these back until the cancel is durable
+            self.scheduler.cancelling[message.message_id] = self.scheduler.cancelling.get(message.message_id, 0) + 1
+        try:
+            if batch:
+                await self._append_and_file(batch)
+        finally:
+            for message in batch:
+                left = self.scheduler.cancelling.pop(message.message_id) - 1
+                if left:
+                    self.scheduler.cancelling[message.message_id] = left
+        if batch:
+            log.info("%d messages cancelled", len(batch))
+        return {"outcomes": outcomes}
+
+    def _cancel_outcome(self, message_id: str, now: int) -> str:
+        """"too_late" when the message was due already; "cancelled" when it is pending (or already
+        cancelled); "unknown" when the message log no longer (or never) had it, in which case the
+        cancel is recorded anyway: the message may be older than the log's retention."""
+        record = self.store.find_by_id(message_id)
+        if record is None:
+            return "cancelled" if message_id in self.cancels else "unknown"
+        if record.flags & records.CANCEL:
+            return "cancelled"
+        return "too_late" if records.due_of(record.payload) <= now else "cancelled"
+
+    async def _stats(self, body: dict[str, Any]) -> dict[str, Any]:
+        stats = self.scheduler.stats()
+        stats["max_delay_ms"] = self.max_delay_ms
+        stats["filed_upto"] = self.filed_upto
+        return stats
+
+    def _check_healthy(self) -> None:
+        if self.failed is not None:
+            raise RemoteError(ErrorCode.UNAVAILABLE, f"the delay server could not write its schedule log and takes "
+                                                     f"nothing until restarted: {self.failed}")
+
+    # ---- from the message log into the buckets ----------------------------------------------------
+
+    async def _append_and_file(self, batch: list[Message]) -> None:
+        """Append `batch` with the other requests of this loop iteration (one store append, one
+        durability wait), then wait until it is filed into its buckets."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Appended]] = loop.create_future()
+        if not self._appends:
+            loop.call_soon(self._append_all)
+        self._appends.append((batch, future))
+        appended = await future
+        await self.store.durable(appended[-1].end)
+        self._file_durable()
+        self._check_healthy()
+
+    def _append_all(self) -> None:
+        appends, self._appends = self._appends, []
+        try:
+            appended = self.store.append([m for batch, _ in appends for m in batch])
+        except Exception as exc:
+            for _, future in appends:
+                future.set_exception(exc)
+            return
+        i = 0
+        items = []
+        for batch, future in appends:
+            mine = appended[i:i + len(batch)]
+            items.extend(zip(mine, batch, strict=True))
+            future.set_result(mine)
+            i += len(batch)
+        self._to_file.append((appended[-1].end, items))
+
+    def _file_durable(self) -> None:
+        """File every durable batch not yet filed, in message-log order."""
+        durable = self.store.flusher.durable_offset
+        while self._to_file and self._to_file[0][0] <= durable and self.failed is None:
+            end, items = self._to_file.popleft()
+            try:
+                self._file(items)
+            except Exception as exc:
+                self.failed = exc
+                log.critical("cannot write the schedule log; refusing new messages until restarted (a restart "
+                             "files them from the message log): %s", exc)
+                return
+            self.filed_upto = end
+
+    def _file(self, items: list[tuple[Appended, Message]]) -> None:
+        """File appended messages (and cancels) into their buckets. The copies are the message-log
+        records themselves, read back from the page cache in one read."""
+        by_bucket: dict[int, list[tuple[int, int, memoryview]]] = defaultdict(list)
+        cancels = []
+        first = items[0][0].offset
+        raw = memoryview(self._log_bytes(first, items[-1][0].end))
+        bucket_ms, due_of, cancel_flag = self.schedule.bucket_ms, records.due_of, records.CANCEL
+        for appended, message in items:
+            offset = appended.offset
+            due = due_of(message.payload)
+            if message.flags & cancel_flag:
+                cancels.append((offset, message.message_id, due))
+            else:
+                by_bucket[due - due % bucket_ms].append((offset, due, raw[offset - first:appended.end - first]))
+        for bucket_start, entries in by_bucket.items():
+            _bucket, positions = self.schedule.append(bucket_start, entries)
+            self.scheduler.scheduled(bucket_start, zip(positions, (due for _, due, _ in entries), strict=True))
+        if cancels:
+            self.cancels.add(cancels)
+
+    def _log_bytes(self, start: int, end: int) -> bytes:
+        """The message log's bytes from `start` to `end` (record boundaries)."""
+        message_log = self.store.message_log
+        segment = message_log.segment_for(start)
+        if segment is not None and end <= segment.end:
+            return segment.read(start - segment.base, end - start)
+        chunks = []  # the range spans segments: a record never does
+        while start < end:
+            segment = message_log.segment_for(start)
+            if segment is None:
+                raise StoreError(f"no segment holds message-log offset {start}")
+            upto = min(end, segment.end)
+            chunks.append(segment.read(start - segment.base, upto - start))
+            start = upto
+        return b"".join(chunks)
+
+
+def _records_from(store: LogStore, start: int) -> Iterator[rec.Record]:
+    """Every record of the message log from offset `start` (a record boundary) to its end."""
+    for segment in list(store.message_log.segments):
+        if segment.end <= start:
+            continue
+        yield from scan_segment(segment, max(start, segment.base))
+
+
+@functools.cache
+def _request_name(code: int) -> str:
+    try:
+        return RequestCode(code).name.lower()
+    except ValueError:
+        return "unknown"
+
