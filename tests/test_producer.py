@@ -5,7 +5,7 @@ never waits for or fails because of a broker."""
 from __future__ import annotations
 
 import concurrent.futures
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -16,9 +16,9 @@ from qmq.client.core import InvalidMessage
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
 from qmq.outbox import rows
-from qmq.outbox.producer import DelayUnavailable
 from tests.support.broker import start_broker
 from tests.support.databases import fresh_database, sqlite_or_postgres
+from tests.support.delay import start_delay_server
 from tests.support.outbox import committed_ids, consume, outbox_rows, states
 from tests.support.processes import free_port
 
@@ -145,8 +145,8 @@ def test_bad_messages_are_refused_in_the_app_and_nothing_is_written(producer, en
         producer.send("ok.subject", object())
     with pytest.raises(InvalidMessage, match="the limit is"):
         producer.send("ok.subject", b"x" * (5 * 1024 * 1024))
-    with pytest.raises(DelayUnavailable, match="delay server"):
-        send(subject="order.timeout", delay=1800)
+    with pytest.raises(ValueError, match="730 days"):
+        send(subject="order.timeout", delay=800 * 86400)
     with pytest.raises(ValueError, match="timezone"):
         producer.send("order.timeout", "x", deliver_at=datetime(2030, 1, 1))
     assert outbox_rows(engine) == {} and order_count(engine) == 0
@@ -204,3 +204,26 @@ def test_many_threads_commit_concurrently_on_postgresql(pg_url, broker) -> None:
         delivered = consume(broker.address, "order.created", 200)
         assert sorted(d.id for d in delivered) == sorted(ids)
         engine.dispose()
+
+
+def test_delayed_messages_arrive_when_due_never_before(engine, broker, processes, tmp_path) -> None:
+    delay = start_delay_server(processes, tmp_path / "delay", "--broker", broker.address)
+    producer = qmq.Producer(brokers=[broker.address], delay_servers=[delay.address], engine=engine)
+
+    @qmq.transactional(producer)
+    def place_order(session: Session, order_id: int, fail: bool = False) -> tuple[str, datetime]:
+        due = datetime.now(UTC) + timedelta(seconds=1.5)
+        message_id = producer.send("payment.timeout", {"order": order_id}, deliver_at=due)
+        if fail:
+            raise RuntimeError("rolled back: its payment timeout must never fire")
+        return message_id, due
+
+    timeout_id, due = place_order(order_id=1)
+    with pytest.raises(RuntimeError):
+        place_order(order_id=2, fail=True)
+    assert producer.flush(10)
+    producer.close()
+    assert states(engine) == {timeout_id: "sent"}  # accepted by the delay server
+    [delivery] = consume(broker.address, "payment.timeout", 1)
+    assert delivery.id == timeout_id and delivery.body == {"order": 1}
+    assert delivery.stored_at >= due.replace(microsecond=due.microsecond // 1000 * 1000)

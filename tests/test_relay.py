@@ -21,6 +21,7 @@ from qmq.db.migrate import upgrade
 from qmq.outbox.schema import outbox
 from tests.support.broker import ROOT, start_broker
 from tests.support.databases import fresh_database, set_connections_allowed
+from tests.support.delay import start_delay_server
 from tests.support.outbox import consume, outbox_rows, relay_args, start_relay, states, wait_for
 from tests.support.processes import free_port
 from tests.test_meta import log_text
@@ -226,3 +227,15 @@ def test_notify_wakes_the_relay_long_before_its_poll_interval(processes, engine,
     wait_for(lambda: "LISTEN/NOTIFY" in log_text(relay), "the relay listens")
     ids = leave_for_relay(engine, "order.created", 3)
     wait_for(lambda: all_sent(engine, ids), "shipped on NOTIFY", deadline_s=15)
+
+
+def test_a_delayed_row_goes_through_the_delay_server(processes, engine, db_url, broker, tmp_path) -> None:
+    delay = start_delay_server(processes, tmp_path / "delay", "--broker", broker.address)
+    producer = qmq.Producer(brokers=["127.0.0.1:1"], engine=engine, after_commit=False)
+    message_id = producer.send("review.requested", "a week after checkout (here: 2 s)", delay=2)
+    due = outbox_rows(engine)[message_id].deliver_at
+    producer.close()
+    processes.start([*relay_args(db_url, broker=broker.address), "--delay-server", delay.address], name="relay",
+                    env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": "", "QMQ_DB_URL": ""})
+    [delivery] = consume(broker.address, "review.requested", 1)
+    assert delivery.id == message_id and delivery.stored_at >= due.replace(microsecond=due.microsecond // 1000 * 1000)

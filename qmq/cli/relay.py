@@ -25,6 +25,8 @@ DAY_S = 86400.0
 @click.option("--db", "dbs", multiple=True, envvar=DB_URL_ENV, metavar="URL",
               help=f"an outbox database (repeat for several) [env {DB_URL_ENV}, space-separated]")
 @client_options
+@click.option("--delay-server", "delay_servers", multiple=True, metavar="HOST:PORT",
+              help="a delay server for delayed messages, without a meta server (repeat for several)")
 @click.option("--batch", type=click.IntRange(1, 10_000), default=relay_module.BATCH_ROWS, show_default=True,
               help="rows claimed and shipped together")
 @click.option("--concurrency", type=click.IntRange(1, 64), default=relay_module.SHIPPING_THREADS,
@@ -45,7 +47,8 @@ DAY_S = 86400.0
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @click.option("--once", is_flag=True, help="one sweep (ship what is due, flag, purge), print a JSON report, exit")
 def relay(dbs: tuple[str, ...], meta: str | None, brokers: tuple[str, ...], token: str | None, log_level: str,
-          batch: int, concurrency: int, lease: float, poll_interval: float, keep_sent_days: float, purge_batch: int,
+          delay_servers: tuple[str, ...], batch: int, concurrency: int, lease: float, poll_interval: float,
+          keep_sent_days: float, purge_batch: int,
           flag_after: float, flag_attempts: int, metrics_port: int | None, metrics_host: str, once: bool) -> None:
     """Ship committed outbox rows left unsent (crash, broker down), until SIGTERM."""
     urls = [normalize_url(u) for value in dbs for u in value.split()]
@@ -53,13 +56,13 @@ def relay(dbs: tuple[str, ...], meta: str | None, brokers: tuple[str, ...], toke
         raise click.UsageError(f"give at least one --db URL (or set ${DB_URL_ENV})")
     if log_level.upper() == "WARNING":
         log_level = "INFO"  # a service logs its start, stop and purges
-    probe = make_client(meta, brokers, token, log_level)  # bad addresses are usage errors, now
+    probe = make_client(meta, brokers, token, log_level, delay_servers=list(delay_servers))  # bad addresses: now
     probe.close()
     settings = RelaySettings(batch_rows=batch, lease_s=lease, poll_interval_s=poll_interval,
                              shipping_threads=concurrency, keep_sent_s=keep_sent_days * DAY_S,
                              purge_batch_rows=purge_batch, flag_after_s=flag_after, flag_after_attempts=flag_attempts)
-    service = Relay(urls, lambda: Client(meta=probe.meta, brokers=probe.brokers, token=token or None,
-                                         client_id="relay"), settings)
+    service = Relay(urls, lambda: Client(meta=probe.meta, brokers=probe.brokers, delay_servers=list(delay_servers),
+                                         token=token or None, client_id="relay"), settings)
     if once:
         reports = service.sweep()
         for report in reports:

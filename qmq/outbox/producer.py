@@ -38,13 +38,7 @@ from qmq.protocol.errors import ErrorCode
 from qmq.protocol.limits import MAX_MESSAGE_BYTES
 
 INSERT_LEASE_S = 10.0  # a new row is left to its own sender this long; then any relay may ship it
-MAX_DELAY = timedelta(days=731)  # the delay server's limit: two years
-DELAY_UNAVAILABLE = ("delayed messages (delay= / deliver_at=) need the delay server, which this version of qmq "
-                     "does not have yet; nothing was written, so send the message without a delay or later")
-
-
-class DelayUnavailable(RuntimeError):
-    """A delayed message was refused: it is never sent early instead."""
+MAX_DELAY = timedelta(days=730)  # the delay server's default limit: two years
 
 
 class Producer:
@@ -52,17 +46,18 @@ class Producer:
 
     Say which database with one of: `engine` (a SQLAlchemy Engine), `session` (a Session factory or
     Flask-SQLAlchemy's `db.session`, used by `@qmq.transactional` when the function is not given one),
-    `using` (a Django database alias). `meta` (or `brokers`, a list of "host:port") says where to ship.
-    `after_commit=False` leaves every message to the relay (which then is woken by NOTIFY)."""
+    `using` (a Django database alias). `meta` (or `brokers` and `delay_servers`, lists of "host:port")
+    says where to ship. `after_commit=False` leaves every message to the relay (woken by NOTIFY)."""
 
     def __init__(self, meta: str | None = None, *, engine: sa.Engine | None = None,
                  session: Any = None, using: str | None = None, brokers: Sequence[str] | None = None,
-                 token: str | None = None, after_commit: bool = True,
+                 delay_servers: Sequence[str] | None = None, token: str | None = None, after_commit: bool = True,
                  insert_lease_s: float = INSERT_LEASE_S) -> None:
         if engine is None and session is None and using is None:
             raise ValueError("a Producer needs its database: engine=, session= or (Django) using=")
         self.meta = meta or os.environ.get("QMQ_META")
         self.brokers = list(brokers) if brokers else None
+        self.delay_servers = list(delay_servers) if delay_servers else None
         if not self.meta and not self.brokers:
             raise ValueError("a Producer needs meta='host:port' (or $QMQ_META) or brokers=[...]")
         self.engine = engine
@@ -81,13 +76,13 @@ class Producer:
              headers: Mapping[str, str] | None = None, delay: float | timedelta | None = None,
              deliver_at: datetime | None = None) -> str:
         """Write `body` for `subject` into the current transaction's outbox; return the message id.
-        Bodies: bytes, str, or anything JSON can encode (the content type is recorded)."""
+        Bodies: bytes, str, or anything JSON can encode (the content type is recorded). With `delay`
+        (seconds or a timedelta) or `deliver_at` (an aware datetime), the message goes to the delay
+        server and is delivered then, never before."""
         when = _deliver_at(delay, deliver_at)
-        if when is not None:
-            raise DelayUnavailable(DELAY_UNAVAILABLE)
         raw, content_type = envelope.encode_body(body)
         message = OutgoingMessage(subject, raw, key=key, tags=tuple(tags), headers=dict(headers) if headers else None,
-                                  content_type=content_type)
+                                  content_type=content_type, deliver_at=when)
         payload = message.to_wire()["payload"]  # raises InvalidMessage now, in the caller, for what a broker...
         if len(payload) > MAX_MESSAGE_BYTES:  # ...would refuse, rather than in the relay, forever
             raise InvalidMessage(ErrorCode.MESSAGE_TOO_LARGE,
@@ -190,7 +185,8 @@ class Producer:
 
     def _new_client(self) -> Client:
         client_id = f"producer-{socket.gethostname()}-{os.getpid()}"
-        return Client(meta=self.meta, brokers=self.brokers, token=self.token, client_id=client_id)
+        return Client(meta=self.meta, brokers=self.brokers, delay_servers=self.delay_servers, token=self.token,
+                      client_id=client_id)
 
     def _after_fork(self) -> None:
         self._sender = None  # the parent's sender thread did not come along

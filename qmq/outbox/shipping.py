@@ -51,7 +51,8 @@ def shipment(row: ClaimedRow) -> Shipment:
     """The message a claimed row stands for, with the id, body and creation time it was written with."""
     message = OutgoingMessage(row.subject, row.body, key=row.key, tags=tuple(row.tags or ()),
                               headers=row.headers or None, id=row.message_id, created_at=epoch_ms(row.created_at),
-                              content_type=row.content_type)
+                              content_type=row.content_type,
+                              deliver_at=None if row.deliver_at is None else epoch_ms(row.deliver_at))
     return Shipment(message, row.attempts)
 
 
