@@ -11,6 +11,7 @@ from qmq import __version__
 from qmq.cli.broker import broker
 from qmq.cli.db import db
 from qmq.cli.delay_server import delay_server
+from qmq.cli.dev import dev
 from qmq.cli.log import log
 from qmq.cli.meta import meta
 from qmq.cli.relay import relay
@@ -32,3 +33,4 @@ main.add_command(send)
 main.add_command(tail)
 main.add_command(relay)
 main.add_command(delay_server)
+main.add_command(dev)

@@ -1,0 +1,47 @@
+"""`qmq dev`: the embedded cluster (meta server, one broker group, the delay server, a relay) in one
+command, until Ctrl-C (qmq/dev/cluster.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import click
+
+from qmq.db.url import DB_URL_ENV
+from qmq.dev.cluster import BROKER_PORT, DELAY_PORT, META_PORT, DevCluster
+
+WATCH_INTERVAL_S = 1.0
+
+
+@click.command("dev")
+@click.option("--data-dir", default="qmq-dev", show_default=True, type=click.Path(file_okay=False),
+              help="stores, databases and logs of the cluster")
+@click.option("--db", "db_url", default=None, metavar="URL",
+              help=f"the outbox (and meta) database [env {DB_URL_ENV}; default SQLite files in DATA_DIR]")
+@click.option("--meta-port", type=click.IntRange(0, 65535), default=META_PORT, show_default=True, help="0: a free port")
+@click.option("--broker-port", type=click.IntRange(0, 65535), default=BROKER_PORT, show_default=True)
+@click.option("--delay-port", type=click.IntRange(0, 65535), default=DELAY_PORT, show_default=True)
+def dev(data_dir: str, db_url: str | None, meta_port: int, broker_port: int, delay_port: int) -> None:
+    """Run a meta server, a broker group, the delay server and a relay until Ctrl-C."""
+    db_url = db_url or os.environ.get(DB_URL_ENV) or None
+    cluster = DevCluster(data_dir, outbox_url=db_url, meta_db_url=db_url, meta_port=meta_port,
+                         broker_port=broker_port, delay_port=delay_port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start()
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(cluster.describe(), err=False)
+    try:
+        while not stop.wait(WATCH_INTERVAL_S):
+            if dead := cluster.dead():
+                names = ", ".join(f"{s.name} (exit {s.proc.returncode}, log {s.log_path})" for s in dead)
+                raise click.ClickException(f"stopped, because a server exited: {names}")
+    finally:
+        click.echo("stopping the cluster...", err=True)
+        cluster.stop()
+    click.echo("stopped", err=True)

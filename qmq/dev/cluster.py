@@ -1,0 +1,159 @@
+"""The embedded cluster behind `qmq dev` and `qmq demo`: a meta server, one broker group, the delay
+server and a relay, as child processes of this one, on one data directory.
+
+Defaults suit a laptop: SQLite for the meta server and the outbox unless a PostgreSQL URL is given,
+the ports of DESIGN.md (or free ones). Promises: `start` returns once every server accepts
+connections (or raises, naming the one that did not start and its log); `stop` ends them all, SIGTERM
+first then SIGKILL, and is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qmq.db.migrate import upgrade
+from qmq.db.url import normalize_url
+
+HOST = "127.0.0.1"
+META_PORT = 20880
+BROKER_PORT = 20881
+DELAY_PORT = 20890
+BROKER_GROUP = "dev"
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((HOST, port)) == 0
+
+
+@dataclass
+class Server:
+    name: str
+    args: list[str]
+    port: int | None  # None: not a server (the relay)
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+
+@dataclass
+class DevCluster:
+    """Start with `start()`; `meta`, `broker`, `delay` and `outbox_url` say where things are."""
+
+    data_dir: Path
+    outbox_url: str | None = None  # default: SQLite in data_dir
+    meta_db_url: str | None = None  # default: SQLite in data_dir
+    meta_port: int = META_PORT  # 0: a free port
+    broker_port: int = BROKER_PORT
+    delay_port: int = DELAY_PORT
+    relay_poll_s: float = 0.5
+    servers: list[Server] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).resolve()
+        self.meta_port = self.meta_port or free_port()
+        self.broker_port = self.broker_port or free_port()
+        self.delay_port = self.delay_port or free_port()
+        self.outbox_url = normalize_url(self.outbox_url or f"sqlite:///{self.data_dir / 'outbox.sqlite3'}")
+        self.meta_db_url = normalize_url(self.meta_db_url or f"sqlite:///{self.data_dir / 'meta.sqlite3'}")
+
+    @property
+    def meta(self) -> str:
+        return f"{HOST}:{self.meta_port}"
+
+    @property
+    def broker(self) -> str:
+        return f"{HOST}:{self.broker_port}"
+
+    @property
+    def delay(self) -> str:
+        return f"{HOST}:{self.delay_port}"
+
+    def start(self) -> None:
+        """Start every server, in dependency order, each once the one before it listens."""
+        logs = self.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for port in (self.meta_port, self.broker_port, self.delay_port):
+            if _listening(port):
+                raise RuntimeError(f"port {port} is taken: stop what uses it, or pick other ports")
+        upgrade(self.outbox_url)
+        self.servers = [
+            Server("meta", ["meta", "--port", str(self.meta_port), "--db", self.meta_db_url], self.meta_port,
+                   logs / "meta.log"),
+            Server("broker", ["broker", "--data-dir", str(self.data_dir / "broker"), "--port", str(self.broker_port),
+                              "--meta", self.meta, "--group", BROKER_GROUP], self.broker_port, logs / "broker.log"),
+            Server("delay-server", ["delay-server", "--data-dir", str(self.data_dir / "delay"),
+                                    "--port", str(self.delay_port), "--meta", self.meta], self.delay_port,
+                   logs / "delay-server.log"),
+            Server("relay", ["relay", "--db", self.outbox_url, "--meta", self.meta,
+                             "--poll-interval", str(self.relay_poll_s)], None, logs / "relay.log"),
+        ]
+        try:
+            for server in self.servers:
+                self._start(server)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, server: Server) -> None:
+        env = {**os.environ, "QMQ_TOKEN": os.environ.get("QMQ_TOKEN", "")}
+        with open(server.log_path, "ab") as log:
+            server.proc = subprocess.Popen([sys.executable, "-m", "qmq", *server.args], stdout=log, stderr=log,
+                                           env=env, start_new_session=True)
+        if server.port is None:
+            return
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _listening(server.port):
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"the {server.name} exited with {server.proc.returncode}; see {server.log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {server.name} did not listen on {server.port} within "
+                                   f"{READY_TIMEOUT_S:.0f} s; see {server.log_path}")
+            time.sleep(0.05)
+
+    def dead(self) -> list[Server]:
+        """Servers that exited on their own."""
+        return [s for s in self.servers if s.proc is not None and s.proc.poll() is not None]
+
+    def stop(self) -> None:
+        """SIGTERM every server (the relay first, the meta server last), then SIGKILL what lingers."""
+        running = [s for s in reversed(self.servers) if s.proc is not None and s.proc.poll() is None]
+        for server in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for server in running:
+            try:
+                server.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.proc.pid, signal.SIGKILL)
+                server.proc.wait()
+
+    def describe(self) -> str:
+        return "\n".join([
+            f"qmq dev cluster is up; data and logs in {self.data_dir}",
+            f"  meta server   {self.meta}      export QMQ_META={self.meta}",
+            f"  broker group  {BROKER_GROUP:<5}  {self.broker}",
+            f"  delay server  {self.delay}",
+            f"  relay         shipping the outbox at {self.outbox_url}",
+            f"                export QMQ_DB_URL={self.outbox_url}",
+            "Try: qmq send hello '\"world\"' --json && qmq tail hello --group me --from earliest --count 1",
+            "Ctrl-C stops everything.",
+        ])
