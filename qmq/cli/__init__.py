@@ -17,6 +17,7 @@ from qmq.cli.meta import meta
 from qmq.cli.relay import relay
 from qmq.cli.send import send
 from qmq.cli.tail import tail
+from qmq.cli.worker import worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "QMQ"})
@@ -34,3 +35,4 @@ main.add_command(tail)
 main.add_command(relay)
 main.add_command(delay_server)
 main.add_command(dev)
+main.add_command(worker)

@@ -14,5 +14,6 @@ def all_tables() -> sa.MetaData:
     """`metadata` with every component's tables registered."""
     import qmq.meta.schema
     import qmq.outbox.schema  # noqa: F401
+    import worker.schema  # noqa: F401
 
     return metadata

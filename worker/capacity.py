@@ -1,0 +1,77 @@
+"""How much a worker may pull: credit from free capacity, so that a worker never holds messages it
+cannot start soon (Celery's prefetch starvation, where long tasks sit on reserved short ones).
+
+The worker holds at most `free slots x prefetch multiplier` messages that have not started, where
+the free slots are those not running a handler: with every slot busy on long handlers it holds none
+back from the rest of the group. A pull asks for the credit left after what is queued and what
+pulls in flight already asked for; small credit waits for a quarter of the window, so a busy worker
+pulls in batches, while an idle worker pulls even one. With several consumers, one pull asks for at
+most its share of the window, so a long poll on a quiet subject leaves credit for the others.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+
+class Capacity:
+    def __init__(self, concurrency: int, prefetch_multiplier: int, consumers: int = 1) -> None:
+        if concurrency < 1 or prefetch_multiplier < 1:
+            raise ValueError("concurrency and the prefetch multiplier must be at least 1")
+        self.concurrency = concurrency
+        self.multiplier = prefetch_multiplier
+        self.window = concurrency * prefetch_multiplier
+        self.share = max(1, math.ceil(self.window / max(1, consumers)))
+        self.batch = max(1, self.window // 2)
+        self.running = 0  # handlers executing
+        self.queued = 0  # pulled, waiting for a slot
+        self.reserved = 0  # asked for by pulls in flight
+        self.stopped = False
+        self._cond = threading.Condition()
+
+    def credit(self) -> int:
+        return (self.concurrency - self.running) * self.multiplier - self.queued - self.reserved
+
+    def reserve(self, timeout_s: float) -> int:
+        """Wait until a pull is worth making (or `timeout_s`, or `stop`); returns how many messages it
+        may ask for, 0 for none, and counts them as asked for until `received`."""
+        with self._cond:
+            if not self._cond.wait_for(self._pull_allowed, timeout_s) or self.stopped:
+                return 0
+            take = min(self.credit(), self.share)
+            self.reserved += take
+            return take
+
+    def _pull_allowed(self) -> bool:
+        if self.stopped:
+            return True
+        credit = self.credit()
+        return credit >= self.batch or (credit >= 1 and self.queued + self.reserved == 0)
+
+    def received(self, reserved: int, count: int) -> None:
+        """A pull that asked for `reserved` brought `count` messages."""
+        with self._cond:
+            self.reserved -= reserved
+            self.queued += count
+            self._cond.notify_all()
+
+    def started(self) -> None:
+        with self._cond:
+            self.queued -= 1
+            self.running += 1
+
+    def finished(self) -> None:
+        with self._cond:
+            self.running -= 1
+            self._cond.notify_all()
+
+    @property
+    def held(self) -> int:
+        """Messages this worker holds: queued or running."""
+        return self.queued + self.running
+
+    def stop(self) -> None:
+        with self._cond:
+            self.stopped = True
+            self._cond.notify_all()
