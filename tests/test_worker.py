@@ -19,6 +19,7 @@ from tests.support.broker import ROOT, restart_broker, start_broker
 from tests.support.processes import free_port
 from tests.support.worker import (
     EXIT_TIMEOUT_S,
+    SUBJECT,
     app_database,
     dead_letters,
     group_totals,
@@ -119,6 +120,18 @@ def test_retries_backoff_retry_delay_and_dead_letters(processes, broker, db_url)
     assert doomed not in {row[0] for row in handled(db_url)}  # its transactions were rolled back
     totals = wait_for(lambda: (t := group_totals([broker]))["in_flight"] == 0 and t, "nothing left in flight")
     assert totals["dead"] == 2 and totals["backlog"] == 0 and totals["retrying"] == 0
+
+
+def test_every_consumer_of_an_idle_worker_keeps_pulling_its_retries(processes, broker, db_url) -> None:
+    # Four consumers share the worker's prefetch window (4 x 16). Once idle, each must keep a long poll
+    # open: a consumer left without credit never sees its retries come due (the demo's lost e-mails).
+    subjects = [SUBJECT, "quiet-1", "quiet-2", "quiet-3"]
+    start_worker(processes, [broker], db_url, "-c", "4", name="w", env={"QMQ_TEST_ALSO": ",".join(subjects[1:])})
+    for round_ in range(3):
+        ids = [send_bodies([broker], [{"fail_times": 2}], subject=subject)[0] for subject in subjects]
+        wait_for(lambda ids=ids: set(ids) <= {row[0] for row in handled(db_url)}, f"round {round_}: all handled",
+                 timeout_s=20)
+    assert Counter(row[1] for row in handled(db_url)) == {3: 12}  # two failures, then done: each once
 
 
 def test_four_workers_share_a_backlog(processes, broker, db_url) -> None:

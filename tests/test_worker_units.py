@@ -19,6 +19,7 @@ import qmq
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
 from tests.support.databases import sqlite_or_postgres
+from tests.test_meta import wait_until
 from worker.app import App
 from worker.capacity import Capacity
 from worker.errors import TimeLimitExceeded
@@ -102,17 +103,38 @@ def test_capacity_pulls_only_for_free_slots() -> None:
 
 def test_capacity_shares_the_window_between_consumers_and_wakes_a_waiting_feeder() -> None:
     capacity = Capacity(concurrency=4, prefetch_multiplier=4, consumers=3)
-    assert capacity.reserve(0) == 6  # ceil(16 / 3)
-    assert capacity.reserve(0) == 6
-    capacity.received(12, 12)
+    assert capacity.reserve(0) == 5  # 16 // 3: three shares fit in the window
+    assert capacity.reserve(0) == 5
+    capacity.received(10, 10)
+    assert capacity.reserve(0) == 5  # credit 6: a share is worth a pull
+    capacity.received(5, 5)
     got: list[int] = []
     waiter = threading.Thread(target=lambda: got.append(capacity.reserve(10)))
     waiter.start()
-    for _ in range(12):
+    for _ in range(15):
         capacity.started()
         capacity.finished()
     waiter.join(10)
-    assert got == [6]
+    assert got == [5]
+
+
+def test_capacity_lets_every_consumer_of_an_idle_worker_long_poll_and_none_is_overtaken() -> None:
+    capacity = Capacity(concurrency=4, prefetch_multiplier=16, consumers=4)  # the demo's worker
+    assert [capacity.reserve(0) for _ in range(4)] == [16] * 4  # all four poll at once
+    for _ in range(3):  # one poll comes back empty and polls again: the others keep theirs
+        capacity.received(16, 0)
+        assert capacity.reserve(0) == 16
+
+    tiny = Capacity(concurrency=1, prefetch_multiplier=1, consumers=2)  # fewer credits than consumers
+    assert tiny.reserve(0) == 1
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(tiny.reserve(10)))
+    waiter.start()
+    wait_until(lambda: tiny.waiting == 1, "the second feeder waits for credit")
+    tiny.received(1, 0)  # the first poll came back empty...
+    assert tiny.reserve(0) == 0  # ...and its feeder asks again: the one waiting goes first
+    waiter.join(10)
+    assert got == [1]
 
 
 def test_liveness() -> None:

@@ -339,7 +339,6 @@ class BrokerService:
         if batch:
             await self._store_soon(batch)
             subjects = [batch[0].subject] if len(batch) == 1 else Counter(m.subject for m in batch)
-            self._wake(subjects)
             if len(batch) == 1:
                 metrics.HOT.stored[batch[0].subject] += 1
             else:
@@ -365,6 +364,9 @@ class BrokerService:
             for _, future in sends:
                 future.set_exception(RemoteError(ErrorCode.UNAVAILABLE, f"the broker cannot store messages: {exc}"))
             return
+        # Waiting pulls are woken now, not once the messages are durable: a pull's reply waits for its
+        # own journal entry, which follows these messages in the same log, so one fsync covers both.
+        self._wake({m.subject for batch, _ in sends for m in batch})
         task = asyncio.get_running_loop().create_task(self._settle_sends([f for _, f in sends], appended[-1].end))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)

@@ -626,7 +626,8 @@ class SubscriptionState:
             messages = batch.get("messages") or []
             key = (address, stored, group_key, self.options.consumer)
             tracker = self._trackers.get(key)
-            if tracker is not None and not batch.get("resent") and first <= (tracker.last_received or -1):
+            last = tracker.last_received if tracker is not None else None
+            if last is not None and not batch.get("resent") and first <= last:  # (0 is a sequence too)
                 del self._trackers[key]  # resent from the broker's ack point by the next pull
                 self._drops[address] += 1
                 continue

@@ -13,7 +13,8 @@ committed it. Neither table has a unique key: duplicates would show. (Tables: te
 
 Settings (environment): QMQ_TEST_BROKERS (comma-separated), QMQ_TEST_DB, QMQ_TEST_REDIS,
 QMQ_TEST_REDIS_PREFIX, QMQ_TEST_SUBJECT, QMQ_TEST_GROUP, QMQ_TEST_IDEMPOTENT ("", "sql" or "redis"),
-QMQ_TEST_BROADCAST ("1"), QMQ_TEST_MAX_RETRIES, QMQ_TEST_TIME_LIMIT, QMQ_TEST_WORKER (a name to record).
+QMQ_TEST_BROADCAST ("1"), QMQ_TEST_MAX_RETRIES, QMQ_TEST_TIME_LIMIT, QMQ_TEST_WORKER (a name to record),
+QMQ_TEST_ALSO (comma-separated subjects the same handler also consumes, as the same group).
 """
 
 from __future__ import annotations
@@ -68,3 +69,8 @@ def handle(message: qmq.Message, session) -> None:
         raise qmq.Reject(body["reject"])
     session.execute(INSERT_HANDLED, row)
 
+
+
+for also in filter(None, env("QMQ_TEST_ALSO", "").split(",")):
+    app.consumer(also, group=env("QMQ_TEST_GROUP", "recorder"), start="earliest", idempotent=IDEMPOTENT,
+                 max_retries=int(env("QMQ_TEST_MAX_RETRIES", "5")), retry_backoff=0.2, retry_jitter=False)(handle)
