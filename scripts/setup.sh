@@ -97,4 +97,15 @@ if [ -z "${QMQ_REDIS_URL:-}" ] && ! port_open 127.0.0.1 "$REDIS_PORT"; then
     redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save "" --appendonly no >/dev/null
     wait_port 127.0.0.1 "$REDIS_PORT" || die "Redis did not come up on 127.0.0.1:$REDIS_PORT"
 fi
+# --- tools the tests use: Debian's docker-compose (tests/test_compose.py) ------------------------
+if ! command -v docker-compose >/dev/null; then
+    apt_install docker-compose || die "docker-compose is missing and cannot be installed here: install Debian's docker-compose package"
+fi
+# --- the reconciliation's Spark: Java 17+ and Debian's PostgreSQL JDBC driver (tests/test_reconcile*.py) ------
+if ! command -v java >/dev/null; then
+    apt_install openjdk-17-jre-headless || die "Java is missing and cannot be installed here: install a Java 17+ runtime (Debian: openjdk-17-jre-headless)"
+fi
+if [ ! -f /usr/share/java/postgresql.jar ] && [ -z "${QMQ_JDBC_JAR:-}" ]; then
+    apt_install libpostgresql-jdbc-java || die "the PostgreSQL JDBC driver is missing and cannot be installed here: install Debian's libpostgresql-jdbc-java, or set QMQ_JDBC_JAR to a postgresql-*.jar"
+fi
 say "ready: $VENV"

@@ -71,10 +71,11 @@ def consume(broker: str, subject: str, expected: int, *, group: str = "tests",
     return got
 
 
-def relay_args(*dbs: str, broker: str, **flags: Any) -> list[str]:
-    """argv for `qmq relay` (fast polling, short leases unless `flags` say otherwise)."""
+def relay_args(*dbs: str, broker: str | None = None, meta: str | None = None, **flags: Any) -> list[str]:
+    """argv for `qmq relay` shipping to `broker` or through `meta` (fast polling, short leases unless
+    `flags` say otherwise)."""
     options = {"poll-interval": 0.2, "lease": 5, **flags}
-    args = ["-m", "qmq", "relay", "--broker", broker]
+    args = ["-m", "qmq", "relay", *(["--broker", broker] if broker else ["--meta", meta])]
     for db in dbs:
         args += ["--db", db]
     for name, value in options.items():
