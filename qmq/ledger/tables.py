@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from qmq.protocol.envelope import PRODUCER_HEADER  # noqa: F401 - the ledger's readers take it from here
+
 MESSAGES, DELIVERIES, GROUPS, DELAYED = "messages", "deliveries", "groups", "delayed"
 EXPORTS_DIR = "_exports"  # readers such as Spark skip names starting with "_"
 DATE, BROKER, SERVER = "date", "broker", "server"  # partition columns
@@ -26,8 +28,6 @@ PART_FILE = "part-0.parquet"
 PRODUCER, RETRY, DEAD, REDRIVEN = "producer", "retry", "dead", "redriven"
 # deliveries.status: where the message stands with the group
 ACKED, IN_FLIGHT, RETRYING, DEAD_LETTERED = "acked", "in_flight", "retrying", "dead"
-# The envelope header naming who produced a message; an outbox names itself "outbox:<database>".
-PRODUCER_HEADER = "qmq-producer"
 
 TS = pa.timestamp("ms", tz="UTC")
 

@@ -67,6 +67,7 @@ class Producer:
         self.after_commit = after_commit
         self.insert_lease_s = insert_lease_s
         self._learned_engine: sa.Engine | None = None
+        self._database_name: str | None = None
         self._sender: Sender | None = None
         _live_producers.add(self)
 
@@ -81,7 +82,9 @@ class Producer:
         server and is delivered then, never before."""
         when = _deliver_at(delay, deliver_at)
         raw, content_type = envelope.encode_body(body)
-        message = OutgoingMessage(subject, raw, key=key, tags=tuple(tags), headers=dict(headers) if headers else None,
+        transaction = context.current(self) or self._joinable_transaction()
+        headers = {**(headers or {}), envelope.PRODUCER_HEADER: f"outbox:{self.database_name()}"}
+        message = OutgoingMessage(subject, raw, key=key, tags=tuple(tags), headers=headers,
                                   content_type=content_type, deliver_at=when)
         payload = message.to_wire()["payload"]  # raises InvalidMessage now, in the caller, for what a broker...
         if len(payload) > MAX_MESSAGE_BYTES:  # ...would refuse, rather than in the relay, forever
@@ -89,7 +92,6 @@ class Producer:
                                  f"message is {len(payload)} bytes, the limit is {MAX_MESSAGE_BYTES}")
         values = {"message_id": message.id, "subject": subject, "body": raw, "content_type": content_type,
                   "headers": message.headers, "tags": list(message.tags) or None, "key": key, "deliver_at": when}
-        transaction = context.current(self) or self._joinable_transaction()
         if transaction is None:
             self._send_alone(values, Shipment(message))
         else:
@@ -171,6 +173,17 @@ class Producer:
             self._learned_engine = engine_for_alias(self.using)
             return self._learned_engine
         raise RuntimeError("this Producer has no engine yet: give engine= or send inside @qmq.transactional first")
+
+    def database_name(self) -> str:
+        """The outbox database's name, as the `qmq-producer` header gives it."""
+        if self._database_name is None:
+            if self.engine is None and self._learned_engine is None and self.using is not None:
+                from qmq.contrib.django.engine import url_for_alias
+
+                self._database_name = str(url_for_alias(self.using).database or "")
+            else:
+                self._database_name = str(self.sender_engine().url.database or "")
+        return self._database_name
 
     def default_session(self) -> Session:
         """A Session for `@qmq.transactional` when the function is not given one: the Producer's

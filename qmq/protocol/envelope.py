@@ -17,6 +17,9 @@ BYTES = "application/octet-stream"
 TEXT = "text/plain; charset=utf-8"
 JSON = "application/json"
 MARKER = "qmq1"  # the envelope's format version, under key "v"
+# The header naming who produced a message; an outbox names itself "outbox:<database>", which lets the
+# reconciliation tell a rolled-back transaction's message from one sent outside any transaction.
+PRODUCER_HEADER = "qmq-producer"
 
 
 class Envelope(NamedTuple):
