@@ -31,7 +31,12 @@ from qmq.net.server import PeerInfo
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.connection import Request
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
-from qmq.protocol.limits import DEFAULT_LIMITS, MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, Limits, validate_subject, validate_tags
+from qmq.protocol.limits import (
+    DEFAULT_LIMITS,
+    MAX_MESSAGE_ID_LEN,
+    Limits,
+    validate_sent_message,
+)
 from qmq.store import record as rec
 from qmq.store.flush import FlushFailed
 from qmq.store.message_log import scan_segment
@@ -196,35 +201,16 @@ class DelayService:
         return {"stored": len(batch), "rejected": rejected}
 
     def _message(self, item: Any, now: int) -> Message:
-        """The message to append, or a ProtocolError saying why not. The hot path: plain type checks."""
-        if type(item) is not dict:
-            raise _bad("a message must be a map")
-        subject = item.get("subject")
-        if type(subject) is not str or subject not in self._valid_subjects:
-            validate_subject(subject, limits=self.limits)
-            self._valid_subjects.add(subject)
-        message_id = item.get("id")
-        if type(message_id) is not str or not 0 < len(message_id) <= MAX_MESSAGE_ID_LEN \
-                or (len(message_id) > MAX_MESSAGE_ID_LEN // 4 and len(message_id.encode()) > MAX_MESSAGE_ID_LEN):
-            raise _bad(f"message id must be a string of 1-{MAX_MESSAGE_ID_LEN} bytes")
-        payload = item.get("payload")
-        if type(payload) is not bytes:
-            raise _bad(f"message {message_id}: payload must be bytes")
-        if len(payload) > self.limits.max_message_bytes:
-            raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, f"message {message_id} is {len(payload)} bytes, "
-                                f"the limit is {self.limits.max_message_bytes}", fatal=False)
-        key = item.get("key")
-        if key is not None and (not isinstance(key, str) or len(key.encode()) > MAX_KEY_LEN):
-            raise _bad(f"message {message_id}: key must be a string of at most {MAX_KEY_LEN} bytes")
-        tags = item.get("tags")
-        tags = validate_tags(tags) if tags else ()
+        """The message to append, or a ProtocolError saying why not."""
+        m = validate_sent_message(item, self.limits, self._valid_subjects)
+        message_id = m.id
         deliver_at = item.get("deliver_at")
         if type(deliver_at) is not int:
             raise _bad(f"message {message_id}: deliver_at must be ms since the epoch")
         if deliver_at > now + self.max_delay_ms:
             raise _bad(f"message {message_id}: deliver_at {iso(deliver_at)} is {(deliver_at - now) / DAY_MS:.1f} "
                        f"days ahead; this delay server takes at most {self.max_delay_ms / DAY_MS:g} days")
-        return Message(subject, message_id, _DUE_PACK(max(deliver_at, now)) + payload, key or None, tags,
+        return Message(m.subject, message_id, _DUE_PACK(max(deliver_at, now)) + m.payload, m.key, m.tags,
                        records.DELAYED)
 
     async def _cancel(self, body: dict[str, Any]) -> dict[str, Any]:

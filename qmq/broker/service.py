@@ -40,9 +40,8 @@ from qmq.protocol.limits import (
     ACTION_SUBJECT,
     DEFAULT_LIMITS,
     GROUP_RE,
-    MAX_KEY_LEN,
-    MAX_MESSAGE_ID_LEN,
     Limits,
+    validate_sent_message,
     validate_subject,
     validate_tags,
 )
@@ -385,28 +384,8 @@ class BrokerService:
                 future.set_result(None)
 
     def _message(self, item: Any) -> Message:
-        if not isinstance(item, dict):
-            raise _bad("a message must be a map")
-        subject = item.get("subject")
-        if not isinstance(subject, str) or subject not in self._valid_subjects:
-            validate_subject(subject, limits=self.limits)
-            self._valid_subjects.add(subject)
-        message_id = item.get("id")
-        if not isinstance(message_id, str) or not 0 < len(message_id.encode()) <= MAX_MESSAGE_ID_LEN:
-            raise _bad(f"message id must be a string of 1-{MAX_MESSAGE_ID_LEN} bytes")
-        payload = item.get("payload")
-        if not isinstance(payload, bytes):
-            raise _bad(f"message {message_id}: payload must be bytes")
-        if len(payload) > self.limits.max_message_bytes:
-            raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, f"message {message_id} is {len(payload)} bytes, "
-                                f"the limit is {self.limits.max_message_bytes}", fatal=False)
-        key = item.get("key")
-        if key is not None and (not isinstance(key, str) or len(key.encode()) > MAX_KEY_LEN):
-            raise _bad(f"message {message_id}: key must be a string of at most {MAX_KEY_LEN} bytes")
-        tags = item.get("tags") or ()
-        if tags:
-            tags = validate_tags(tags)
-        return Message(subject, message_id, payload, key or None, tags)
+        m = validate_sent_message(item, self.limits, self._valid_subjects)
+        return Message(m.subject, m.id, m.payload, m.key, m.tags)
 
     async def _pull(self, body: dict[str, Any], peer: PeerInfo) -> dict[str, Any]:
         subject = validate_subject(_get(body, "subject", str), limits=self.limits)
