@@ -46,8 +46,22 @@ class BrokerProcess:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-broker-"))
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "qmq", "broker", "--data-dir", str(self.dir / "data"), "--port", str(self.port),
-             "--flush", flush, "-l", "WARNING"], cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "qmq",
+                "broker",
+                "--data-dir",
+                str(self.dir / "data"),
+                "--port",
+                str(self.port),
+                "--flush",
+                flush,
+                "-l",
+                "WARNING",
+            ],
+            cwd=ROOT,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with socket.socket() as s:
@@ -66,8 +80,9 @@ def messages(prefix: str, start: int, count: int, payload: bytes, subject: str =
     return [{"id": f"{prefix}-{start + i:012d}", "subject": subject, "payload": payload} for i in range(count)]
 
 
-async def produce(port: int, total: int, batch: int, size: int, connections: int, inflight: int,
-                  subject: str = "bench") -> dict:
+async def produce(
+    port: int, total: int, batch: int, size: int, connections: int, inflight: int, subject: str = "bench"
+) -> dict:
     """`connections` connections, each with `inflight` requests of `batch` messages in flight."""
     payload = os.urandom(size)
     conns = [await AsyncConnection.open(HOST, port, client_id=f"bench-{i}") for i in range(connections)]
@@ -91,8 +106,13 @@ async def produce(port: int, total: int, batch: int, size: int, connections: int
     for c in conns:
         await c.close()
     latencies.sort()
-    return {"messages": next_index, "seconds": elapsed, "rate": next_index / elapsed,
-            "p50_ms": latencies[len(latencies) // 2] * 1000, "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000}
+    return {
+        "messages": next_index,
+        "seconds": elapsed,
+        "rate": next_index / elapsed,
+        "p50_ms": latencies[len(latencies) // 2] * 1000,
+        "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000,
+    }
 
 
 async def consume(port: int, total: int, max_pull: int, consumers: int = 2) -> dict:
@@ -107,9 +127,18 @@ async def consume(port: int, total: int, max_pull: int, consumers: int = 2) -> d
         pulled: dict[str, int] = {}
         ack_task = None
         while got < total:
-            reply = await conn.request(RequestCode.BROKER_PULL, {
-                "subject": "bench", "group": "bench", "consumer": name, "max": max_pull, "wait_ms": 200,
-                "start": "earliest", "pulled": pulled})
+            reply = await conn.request(
+                RequestCode.BROKER_PULL,
+                {
+                    "subject": "bench",
+                    "group": "bench",
+                    "consumer": name,
+                    "max": max_pull,
+                    "wait_ms": 200,
+                    "start": "earliest",
+                    "pulled": pulled,
+                },
+            )
             acks = []
             for b in reply["batches"]:
                 last = b["first_pull"] + len(b["messages"]) - 1
@@ -135,8 +164,7 @@ async def latency(port: int, rate: int, seconds: float, size: int) -> dict:
     producer = await AsyncConnection.open(HOST, port, client_id="bench-producer")
     consumer = await AsyncConnection.open(HOST, port, client_id="bench-consumer")
     payload = os.urandom(size)
-    await consumer.request(RequestCode.BROKER_PULL, {"subject": "lat", "group": "lat", "consumer": "c",
-                                                     "wait_ms": 0})
+    await consumer.request(RequestCode.BROKER_PULL, {"subject": "lat", "group": "lat", "consumer": "c", "wait_ms": 0})
     total = int(rate * seconds)
     sent_at: dict[str, float] = {}
     delays: list[float] = []
@@ -146,8 +174,10 @@ async def latency(port: int, rate: int, seconds: float, size: int) -> dict:
 
     async def receive() -> None:
         while len(delays) < total:
-            reply = await consumer.request(RequestCode.BROKER_PULL, {
-                "subject": "lat", "group": "lat", "consumer": "c", "max": 256, "wait_ms": 2500, "pulled": pulled})
+            reply = await consumer.request(
+                RequestCode.BROKER_PULL,
+                {"subject": "lat", "group": "lat", "consumer": "c", "max": 256, "wait_ms": 2500, "pulled": pulled},
+            )
             now = time.perf_counter()
             ranges = []
             for b in reply["batches"]:
@@ -169,31 +199,43 @@ async def latency(port: int, rate: int, seconds: float, size: int) -> dict:
             await asyncio.sleep(delay)
         message_id = f"lat-{i:09d}"
         sent_at[message_id] = time.perf_counter()
-        sends.append(asyncio.create_task(producer.request(
-            RequestCode.BROKER_SEND, {"messages": [{"id": message_id, "subject": "lat", "payload": payload}]})))
+        sends.append(
+            asyncio.create_task(
+                producer.request(
+                    RequestCode.BROKER_SEND, {"messages": [{"id": message_id, "subject": "lat", "payload": payload}]}
+                )
+            )
+        )
     await asyncio.gather(*sends)
     await asyncio.wait_for(receiver, 30)
     await asyncio.gather(*acks)
     await producer.close()
     await consumer.close()
     delays.sort()
-    return {"messages": len(delays), "p50_ms": delays[len(delays) // 2] * 1000,
-            "p99_ms": delays[int(len(delays) * 0.99)] * 1000, "max_ms": delays[-1] * 1000}
+    return {
+        "messages": len(delays),
+        "p50_ms": delays[len(delays) // 2] * 1000,
+        "p99_ms": delays[int(len(delays) * 0.99)] * 1000,
+        "max_ms": delays[-1] * 1000,
+    }
 
 
 async def client_produce(port: int, total: int, batch: int, size: int, inflight: int) -> dict:
     """The same workload through the client library (`AsyncClient.send`: envelopes, UUIDv7 ids,
     per-message results), `inflight` send() calls of `batch` messages at once."""
     from qmq.client import AsyncClient, OutgoingMessage
+
     body = os.urandom(size)
     sent = 0
     async with AsyncClient(brokers=[f"{HOST}:{port}"]) as client:
+
         async def worker() -> None:
             nonlocal sent
             while sent < total:
                 sent += batch
                 results = await client.send([OutgoingMessage("bench", body) for _ in range(batch)])
                 assert all(r.ok for r in results), results[0]
+
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(inflight)))
         elapsed = time.perf_counter() - t0
@@ -203,6 +245,7 @@ async def client_produce(port: int, total: int, batch: int, size: int, inflight:
 async def client_consume(port: int, total: int, max_pull: int) -> dict:
     """Consume through the client library: one subscription, pull, ack each delivery (acks batched)."""
     from qmq.client import AsyncClient
+
     got = 0
     async with AsyncClient(brokers=[f"{HOST}:{port}"]) as client:
         subscription = await client.subscribe("bench", "bench-client", start="earliest")
@@ -218,45 +261,56 @@ async def client_consume(port: int, total: int, max_pull: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("case", nargs="?", default="all",
-                        choices=["all", "produce", "produce-single", "consume", "latency", "client"])
+    parser.add_argument(
+        "case", nargs="?", default="all", choices=["all", "produce", "produce-single", "consume", "latency", "client"]
+    )
     parser.add_argument("--flush", default="sync", choices=["sync", "async"])
     parser.add_argument("--messages", type=int, default=300_000)
     parser.add_argument("--size", type=int, default=1024)
     args = parser.parse_args()
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:
         pass
-    print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, flush {args.flush}, "
-          f"{args.size} B messages")
+    print(
+        f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, flush {args.flush}, "
+        f"{args.size} B messages"
+    )
     cases = ["produce", "produce-single", "consume", "latency", "client"] if args.case == "all" else [args.case]
     for case in cases:
         broker = BrokerProcess(args.flush)
         try:
             if case == "produce":
                 r = asyncio.run(produce(broker.port, args.messages, 64, args.size, connections=2, inflight=4))
-                print(f"produce        batch 64, 2 conns x 4 in flight: {r['rate']:>9,.0f} msg/s "
-                      f"(batch p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)")
+                print(
+                    f"produce        batch 64, 2 conns x 4 in flight: {r['rate']:>9,.0f} msg/s "
+                    f"(batch p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)"
+                )
             elif case == "produce-single":
                 n = min(args.messages, 100_000)
                 r = asyncio.run(produce(broker.port, n, 1, args.size, connections=4, inflight=64))
-                print(f"produce-single 1 per request, 4 conns x 64 in flight: {r['rate']:>9,.0f} msg/s "
-                      f"(p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)")
+                print(
+                    f"produce-single 1 per request, 4 conns x 64 in flight: {r['rate']:>9,.0f} msg/s "
+                    f"(p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)"
+                )
             elif case == "consume":
                 asyncio.run(produce(broker.port, args.messages, 64, args.size, connections=2, inflight=4))
                 r = asyncio.run(consume(broker.port, args.messages, 1024))
                 print(f"consume        one group, 2 consumers, pulls of up to 1024: {r['rate']:>9,.0f} msg/s")
             elif case == "latency":
                 r = asyncio.run(latency(broker.port, 1000, 10, args.size))
-                print(f"latency        1,000 msg/s for 10 s: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
-                      f"max {r['max_ms']:.2f} ms")
+                print(
+                    f"latency        1,000 msg/s for 10 s: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
+                    f"max {r['max_ms']:.2f} ms"
+                )
             elif case == "client":
                 for inflight in (8, 32):
                     r = asyncio.run(client_produce(broker.port, args.messages, 64, args.size, inflight=inflight))
-                    print(f"client send    AsyncClient.send, batch 64, {inflight:>2} in flight: "
-                          f"{r['rate']:>9,.0f} msg/s")
+                    print(
+                        f"client send    AsyncClient.send, batch 64, {inflight:>2} in flight: {r['rate']:>9,.0f} msg/s"
+                    )
                 r = asyncio.run(client_consume(broker.port, args.messages, 1024))
                 print(f"client consume AsyncSubscription pull + ack each:      {r['rate']:>9,.0f} msg/s")
         finally:

@@ -66,8 +66,21 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> float:
-        self.proc = subprocess.Popen([sys.executable, "-m", "qmq", *self.args, "--data-dir", str(self.data_dir),
-                                      "--port", str(self.port), "-l", "WARNING"], cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "qmq",
+                *self.args,
+                "--data-dir",
+                str(self.data_dir),
+                "--port",
+                str(self.port),
+                "-l",
+                "WARNING",
+            ],
+            cwd=ROOT,
+        )
         return wait_port(self.port, self.proc)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
@@ -91,8 +104,17 @@ async def stats(port: int) -> dict:
         await conn.close()
 
 
-async def schedule(port: int, total: int, batch: int, size: int, connections: int, inflight: int,
-                   due_from_ms: int, due_span_ms: int, subject: str = "bench") -> dict:
+async def schedule(
+    port: int,
+    total: int,
+    batch: int,
+    size: int,
+    connections: int,
+    inflight: int,
+    due_from_ms: int,
+    due_span_ms: int,
+    subject: str = "bench",
+) -> dict:
     """DELAY_SEND batches of `batch` messages, due at times spread evenly over the span."""
     payload = os.urandom(size)
     conns = [await AsyncConnection.open(HOST, port, client_id=f"bench-{i}") for i in range(connections)]
@@ -108,8 +130,9 @@ async def schedule(port: int, total: int, batch: int, size: int, connections: in
             for i in range(start, min(start + batch, total)):
                 message_id = f"d-{i:010d}"
                 due[message_id] = due_from_ms + (i * 7919 % total) * due_span_ms // total
-                messages.append({"id": message_id, "subject": subject, "payload": payload,
-                                 "deliver_at": due[message_id]})
+                messages.append(
+                    {"id": message_id, "subject": subject, "payload": payload, "deliver_at": due[message_id]}
+                )
             reply = await conn.request(RequestCode.DELAY_SEND, {"messages": messages}, 60)
             assert reply["stored"] == len(messages), reply
 
@@ -153,30 +176,54 @@ async def measure_pending(server: Server, total: int) -> None:
     baseline = server.rss_anon_bytes()
     due_from = time.time_ns() // 1_000_000 + 15 * MINUTE_MS  # inside the 30-minute load-ahead: in the wheel
     result = await schedule(server.port, total, 64, 1024, 2, 8, due_from, 5 * MINUTE_MS)
-    print(f"scheduling: {result['messages']:,} x 1 KiB, batches of 64, 2 connections x 8 in flight, due over 5 min "
-          f"in the loaded window: {result['rate']:,.0f} msg/s ({result['seconds']:.1f} s)", flush=True)
+    print(
+        f"scheduling: {result['messages']:,} x 1 KiB, batches of 64, 2 connections x 8 in flight, due over 5 min "
+        f"in the loaded window: {result['rate']:,.0f} msg/s ({result['seconds']:.1f} s)",
+        flush=True,
+    )
     s = await stats(server.port)
-    print(f"  after scheduling: wheel {s['wheel']:,} messages, RssAnon +{server.rss_anon_bytes() - baseline:,} "
-          f"bytes (ingest garbage included)", flush=True)
+    print(
+        f"  after scheduling: wheel {s['wheel']:,} messages, RssAnon +{server.rss_anon_bytes() - baseline:,} "
+        f"bytes (ingest garbage included)",
+        flush=True,
+    )
     server.kill()
     listening = server.start()
     s, loaded = await wait_stats(server.port, lambda st: st["wheel"] + st["held"] >= total, 120)
-    print(f"restart after SIGKILL with {total:,} pending in the loaded window: serving "
-          f"after {listening:.2f} s, every pending message in the wheel after {listening + loaded:.2f} s", flush=True)
+    print(
+        f"restart after SIGKILL with {total:,} pending in the loaded window: serving "
+        f"after {listening:.2f} s, every pending message in the wheel after {listening + loaded:.2f} s",
+        flush=True,
+    )
     time.sleep(1.0)
     extra = server.rss_anon_bytes() - baseline
-    print(f"memory: {total:,} pending in the wheel: RssAnon +{extra:,} bytes over the empty server = "
-          f"{extra / total:.1f} bytes/message (wheel arrays {s['wheel_bytes'] / total:.1f} bytes/message)", flush=True)
+    print(
+        f"memory: {total:,} pending in the wheel: RssAnon +{extra:,} bytes over the empty server = "
+        f"{extra / total:.1f} bytes/message (wheel arrays {s['wheel_bytes'] / total:.1f} bytes/message)",
+        flush=True,
+    )
 
 
 async def case_spread(work: Path, total: int) -> None:
     server = Server(["delay-server", "--broker", "127.0.0.1:1"], work / "delay-spread")
     try:
         server.start()
-        result = await schedule(server.port, total, 64, 1024, 2, 8, time.time_ns() // 1_000_000 + 2 * 86_400_000,
-                                365 * 86_400_000, subject="spread")
-        print(f"scheduling: {result['messages']:,} x 1 KiB due over the next year (8,760 hour buckets): "
-              f"{result['rate']:,.0f} msg/s", flush=True)
+        result = await schedule(
+            server.port,
+            total,
+            64,
+            1024,
+            2,
+            8,
+            time.time_ns() // 1_000_000 + 2 * 86_400_000,
+            365 * 86_400_000,
+            subject="spread",
+        )
+        print(
+            f"scheduling: {result['messages']:,} x 1 KiB due over the next year (8,760 hour buckets): "
+            f"{result['rate']:,.0f} msg/s",
+            flush=True,
+        )
     finally:
         server.kill()
 
@@ -208,15 +255,19 @@ async def measure_lateness(broker: Server, server: Server, rate: int, seconds: i
         consumer = asyncio.create_task(consume())
         due_from = time.time_ns() // 1_000_000 + 20_000
         result = await schedule(server.port, total, 64, 1024, 2, 8, due_from, seconds * 1000, subject="late")
-        print(f"  {total:,} messages scheduled in {result['seconds']:.1f} s; due from +20 s over {seconds} s",
-              flush=True)
+        print(
+            f"  {total:,} messages scheduled in {result['seconds']:.1f} s; due from +20 s over {seconds} s", flush=True
+        )
         await asyncio.wait_for(consumer, 20 + seconds + 60)
         await subscription.close()
     late = sorted(received[i] - due for i, due in result["due"].items())
     early = sum(1 for x in late if x < 0)
-    print(f"lateness at {rate:,} due/s for {seconds} s (1 KiB, delay server -> broker -> consumer): "
-          f"p50 {late[len(late) // 2]} ms, p99 {late[int(len(late) * 0.99)]} ms, max {late[-1]} ms, "
-          f"{early} early", flush=True)
+    print(
+        f"lateness at {rate:,} due/s for {seconds} s (1 KiB, delay server -> broker -> consumer): "
+        f"p50 {late[len(late) // 2]} ms, p99 {late[int(len(late) * 0.99)]} ms, max {late[-1]} ms, "
+        f"{early} early",
+        flush=True,
+    )
 
 
 def main() -> None:

@@ -37,8 +37,13 @@ from qmq.outbox.schema import outbox
 ROOT = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get("QMQ_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 BODY = {"order": "x" * 1000}  # about 1 KiB as JSON
-orders = sa.Table("bench_orders", sa.MetaData(), sa.Column("id", sa.BigInteger, primary_key=True),
-                  sa.Column("customer", sa.String(50)), sa.Column("amount", sa.Integer))
+orders = sa.Table(
+    "bench_orders",
+    sa.MetaData(),
+    sa.Column("id", sa.BigInteger, primary_key=True),
+    sa.Column("customer", sa.String(50)),
+    sa.Column("amount", sa.Integer),
+)
 
 
 class Database:
@@ -146,18 +151,36 @@ def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float]:
     """Rows/s of one `qmq relay` draining `rows` pending rows; also the seconds it took to load them."""
     db = Database()
     broker = BrokerProcess("sync")
-    body = ("{" + '"order":"' + "x" * 1000 + '"}')
+    body = "{" + '"order":"' + "x" * 1000 + '"}'
     loading = time.monotonic()
     with psycopg.connect(db.url, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO qmq_outbox (message_id, subject, body, content_type) "
             "SELECT gen_random_uuid()::text, 'order.created', convert_to(%s, 'UTF8'), 'application/json' "
-            "FROM generate_series(1, %s)", (body, rows))
+            "FROM generate_series(1, %s)",
+            (body, rows),
+        )
         conn.execute("VACUUM ANALYZE qmq_outbox")
     loaded = time.monotonic() - loading
     relay = subprocess.Popen(
-        [sys.executable, "-m", "qmq", "relay", "--db", db.url, "--broker", f"127.0.0.1:{broker.port}",
-         "--batch", str(batch), "--concurrency", str(concurrency), "-l", "WARNING"], cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "qmq",
+            "relay",
+            "--db",
+            db.url,
+            "--broker",
+            f"127.0.0.1:{broker.port}",
+            "--batch",
+            str(batch),
+            "--concurrency",
+            str(concurrency),
+            "-l",
+            "WARNING",
+        ],
+        cwd=ROOT,
+    )
     started = time.monotonic()
     with db.engine.connect() as conn:
         while True:
@@ -184,21 +207,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=4)
     args = parser.parse_args()
-    print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, body 1 KiB, "
-          "broker flush sync, PostgreSQL local")
+    print(
+        f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, body 1 KiB, "
+        "broker flush sync, PostgreSQL local"
+    )
     if args.case in (None, "tx"):
         plain = transactions(args.threads, args.seconds, with_send=False)
         outboxed = transactions(args.threads, args.seconds, with_send=True)
-        print(f"tx: {args.threads} threads: without send {plain:,.0f} tx/s, with send {outboxed:,.0f} tx/s "
-              f"({(1 - outboxed / plain) * 100:.1f}% fewer; target <= 25%)")
+        print(
+            f"tx: {args.threads} threads: without send {plain:,.0f} tx/s, with send {outboxed:,.0f} tx/s "
+            f"({(1 - outboxed / plain) * 100:.1f}% fewer; target <= 25%)"
+        )
     if args.case in (None, "latency"):
         p50, p99, missing = commit_to_stored(args.rate, args.seconds)
-        print(f"latency: {args.rate:.0f} tx/s: commit to stored p50 {p50:.1f} ms, p99 {p99:.1f} ms "
-              f"(target p99 < 20 ms){f', {missing} not stored' if missing else ''}")
+        print(
+            f"latency: {args.rate:.0f} tx/s: commit to stored p50 {p50:.1f} ms, p99 {p99:.1f} ms "
+            f"(target p99 < 20 ms){f', {missing} not stored' if missing else ''}"
+        )
     if args.case in (None, "drain"):
         rate, loaded = drain(args.rows, args.batch, args.concurrency)
-        print(f"drain: {args.rows:,} rows, batch {args.batch}, {args.concurrency} threads: {rate:,.0f} msg/s "
-              f"(target >= 30,000; rows loaded in {loaded:.0f} s)")
+        print(
+            f"drain: {args.rows:,} rows, batch {args.batch}, {args.concurrency} threads: {rate:,.0f} msg/s "
+            f"(target >= 30,000; rows loaded in {loaded:.0f} s)"
+        )
 
 
 if __name__ == "__main__":

@@ -44,10 +44,14 @@ PLANTED = {"not_shipped": 7, "not_acked": 11, "dead_lettered": 13, "redelivered"
 EXTRA = {"orphaned": 100, "rolled_back": 10}  # ledger-only messages, numbered after the outbox rows
 
 # UUIDv7 of row i: its time, then i in the counter and random fields (unique, and the same in SQL and Spark).
-SQL_ID = ("substr(h,1,8)||'-'||substr(h,9,4)||'-7'||lpad(to_hex(i % 4096),3,'0')||'-8'||"
-          "lpad(to_hex((i / 4096) % 4096),3,'0')||'-'||lpad(to_hex(i),12,'0')")
-SPARK_ID = ("concat(substr(h,1,8),'-',substr(h,9,4),'-7',lower(lpad(hex(id % 4096),3,'0')),'-8',"
-            "lower(lpad(hex((id div 4096) % 4096),3,'0')),'-',lower(lpad(hex(id),12,'0')))")
+SQL_ID = (
+    "substr(h,1,8)||'-'||substr(h,9,4)||'-7'||lpad(to_hex(i % 4096),3,'0')||'-8'||"
+    "lpad(to_hex((i / 4096) % 4096),3,'0')||'-'||lpad(to_hex(i),12,'0')"
+)
+SPARK_ID = (
+    "concat(substr(h,1,8),'-',substr(h,9,4),'-7',lower(lpad(hex(id % 4096),3,'0')),'-8',"
+    "lower(lpad(hex((id div 4096) % 4096),3,'0')),'-',lower(lpad(hex(id),12,'0')))"
+)
 
 
 def message_id(i: int, base_ms: int, rows: int) -> str:
@@ -59,8 +63,9 @@ def create_outbox(url: str, rows: int, base_ms: int) -> float:
     """`rows` outbox rows, made in PostgreSQL; the seconds it took."""
     started = time.monotonic()
     # In a child: a module of bench/ named like a qmq package would shadow it here.
-    subprocess.run([sys.executable, "-m", "qmq", "db", "upgrade", "--db", url], check=True, cwd=ROOT,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "qmq", "db", "upgrade", "--db", url], check=True, cwd=ROOT, capture_output=True
+    )
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("SET synchronous_commit = off")
         for low in range(0, rows, INSERT_CHUNK_ROWS):
@@ -81,7 +86,7 @@ def create_outbox(url: str, rows: int, base_ms: int) -> float:
     return time.monotonic() - started
 
 
-GENERATE_LEDGER = r'''
+GENERATE_LEDGER = r"""
 import json, sys
 from pathlib import Path
 from pyspark.sql import SparkSession, functions as F
@@ -137,19 +142,43 @@ spark.createDataFrame(groups, "subject string, group string, broadcast boolean, 
     F.lit(0).cast("long").alias("start_seq"), "broker",
 ).write.partitionBy("broker").mode("overwrite").parquet(f"{ledger}/groups")
 spark.stop()
-'''
+"""
 
 
 def create_ledger(ledger: Path, rows: int, base_ms: int, database: str) -> float:
     started = time.monotonic()
-    subprocess.run([sys.executable, "-c", GENERATE_LEDGER, str(ledger), str(rows), str(base_ms), str(EVERY),
-                    json.dumps(PLANTED), json.dumps(EXTRA), str(SUBJECTS), str(SPAN_MS), SPARK_ID, database],
-                   check=True, env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            GENERATE_LEDGER,
+            str(ledger),
+            str(rows),
+            str(base_ms),
+            str(EVERY),
+            json.dumps(PLANTED),
+            json.dumps(EXTRA),
+            str(SUBJECTS),
+            str(SPAN_MS),
+            SPARK_ID,
+            database,
+        ],
+        check=True,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+    )
     as_of = datetime.now(UTC)
     (ledger / "_exports").mkdir(parents=True, exist_ok=True)
     for broker in ("b0", "b1"):
-        (ledger / "_exports" / f"{broker}.json").write_text(json.dumps({
-            "name": broker, "kind": "broker", "as_of": as_of.isoformat(), "as_of_ms": int(as_of.timestamp() * 1000)}))
+        (ledger / "_exports" / f"{broker}.json").write_text(
+            json.dumps(
+                {
+                    "name": broker,
+                    "kind": "broker",
+                    "as_of": as_of.isoformat(),
+                    "as_of_ms": int(as_of.timestamp() * 1000),
+                }
+            )
+        )
     return time.monotonic() - started
 
 
@@ -194,8 +223,10 @@ def bench_export(messages: int) -> None:
                 subject = f"subject-{k}"
                 store.append([Message(subject, str(uuid.uuid4()), body) for _ in range(count)])
                 pulls = tuple(range(seq[k], seq[k] + count))
-                entries = [journal.GroupAction(subject, "g", Pull("c", seq[k], pulls, seq[k] + count)),
-                           journal.GroupAction(subject, "g", Ack("c", seq[k] + count - 1))]
+                entries = [
+                    journal.GroupAction(subject, "g", Pull("c", seq[k], pulls, seq[k] + count)),
+                    journal.GroupAction(subject, "g", Ack("c", seq[k] + count - 1)),
+                ]
                 if seq[k] == 0:
                     entries.insert(0, journal.Create(subject, "g", 0, False))
                 store.append([Message(ACTION_SUBJECT, f"%a{first}-{k}", journal.encode(entries))])
@@ -206,8 +237,10 @@ def bench_export(messages: int) -> None:
         started = time.monotonic()
         report = export(work / "store", work / "ledger")
         elapsed = time.monotonic() - started
-        print(f"ledger export: {messages:,} messages ({size / 2**20:,.0f} MiB, {report.records:,} records) in "
-              f"{elapsed:.1f} s: {messages / elapsed:,.0f} messages/s (load average at start {load:.1f})")
+        print(
+            f"ledger export: {messages:,} messages ({size / 2**20:,.0f} MiB, {report.records:,} records) in "
+            f"{elapsed:.1f} s: {messages / elapsed:,.0f} messages/s (load average at start {load:.1f})"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -233,16 +266,35 @@ def main() -> None:
         outbox_s = create_outbox(url, args.rows, base_ms)
         ledger_s = create_ledger(work / "ledger", args.rows, base_ms, name)
         want = expected(args.rows, base_ms)
-        print(f"generated: outbox {outbox_s:.0f} s, ledger {ledger_s:.0f} s; {len(want)} anomalies planted",
-              flush=True)
+        print(f"generated: outbox {outbox_s:.0f} s, ledger {ledger_s:.0f} s; {len(want)} anomalies planted", flush=True)
         load = os.getloadavg()[0]
         started = time.monotonic()
         result = subprocess.run(
-            [sys.executable, "-m", "qmq", "reconcile", "--outbox-db", url, "--ledger", str(work / "ledger"),
-             "--out", str(work / "out"), "--since", yesterday.isoformat(),
-             "--until", (yesterday + timedelta(days=1)).isoformat(), "--master", "local[2]",
-             "--driver-memory", "4g"],
-            capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+            [
+                sys.executable,
+                "-m",
+                "qmq",
+                "reconcile",
+                "--outbox-db",
+                url,
+                "--ledger",
+                str(work / "ledger"),
+                "--out",
+                str(work / "out"),
+                "--since",
+                yesterday.isoformat(),
+                "--until",
+                (yesterday + timedelta(days=1)).isoformat(),
+                "--master",
+                "local[2]",
+                "--driver-memory",
+                "4g",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+        )
         elapsed = time.monotonic() - started
         if result.returncode not in (0, 3, 4):
             sys.exit(f"qmq reconcile failed ({result.returncode}):\n{result.stderr[-4000:]}")
@@ -250,13 +302,30 @@ def main() -> None:
         found = {r["message_id"]: r["class"] for r in pq.read_table(work / "out" / "anomalies").to_pylist()}
         missed = {m: c for m, c in want.items() if found.get(m) != c}
         extra = {m: c for m, c in found.items() if m not in want}
-        print(f"reconciled {summary['total']:,} messages in {elapsed:.1f} s (load average at start "
-              f"{load:.1f}, {os.cpu_count()} cores); exit code {result.returncode}")
-        print("counts: " + ", ".join(f"{k} {summary[k]:,}" for k in
-                                     ("delivered", "not_shipped", "not_acked", "dead_lettered", "redelivered",
-                                      "orphaned", "rolled_back", "in_flight")))
-        print(f"planted anomalies found: {len(want) - len(missed)} of {len(want)}; missed {len(missed)}, "
-              f"unexpected {len(extra)}: {'PASS' if not missed and not extra else 'FAIL'}")
+        print(
+            f"reconciled {summary['total']:,} messages in {elapsed:.1f} s (load average at start "
+            f"{load:.1f}, {os.cpu_count()} cores); exit code {result.returncode}"
+        )
+        print(
+            "counts: "
+            + ", ".join(
+                f"{k} {summary[k]:,}"
+                for k in (
+                    "delivered",
+                    "not_shipped",
+                    "not_acked",
+                    "dead_lettered",
+                    "redelivered",
+                    "orphaned",
+                    "rolled_back",
+                    "in_flight",
+                )
+            )
+        )
+        print(
+            f"planted anomalies found: {len(want) - len(missed)} of {len(want)}; missed {len(missed)}, "
+            f"unexpected {len(extra)}: {'PASS' if not missed and not extra else 'FAIL'}"
+        )
     finally:
         if args.keep:
             print(f"kept: database {url}, files {work}")

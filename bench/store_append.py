@@ -24,13 +24,16 @@ from qmq.store.flush import FlushMode
 from qmq.store.store import LogStore, Message, StoreConfig
 
 
-async def run_case(data_dir: Path, flush: str, subjects: int, records: int, batch: int, size: int,
-                   inflight: int) -> dict:
+async def run_case(
+    data_dir: Path, flush: str, subjects: int, records: int, batch: int, size: int, inflight: int
+) -> dict:
     store = LogStore(data_dir, StoreConfig(flush=FlushMode(flush), background=False))
     payload = os.urandom(size)
     batches = [
-        [Message(f"bench.subject-{(b * batch + i) % subjects}", f"01JDX7Q3ZP4Y8N2K5M{b:08d}{i:03d}", payload)
-         for i in range(batch)]
+        [
+            Message(f"bench.subject-{(b * batch + i) % subjects}", f"01JDX7Q3ZP4Y8N2K5M{b:08d}{i:03d}", payload)
+            for i in range(batch)
+        ]
         for b in range(records // batch)
     ]
     next_batch = iter(batches)
@@ -52,9 +55,15 @@ async def run_case(data_dir: Path, flush: str, subjects: int, records: int, batc
     latencies.sort()
     done = len(batches) * batch
     return {
-        "flush": flush, "subjects": subjects, "records": done, "seconds": elapsed, "rate": done / elapsed,
-        "mb_s": done * size / elapsed / 1e6, "fsyncs": syncs,
-        "p50_ms": latencies[len(latencies) // 2] * 1000, "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000,
+        "flush": flush,
+        "subjects": subjects,
+        "records": done,
+        "seconds": elapsed,
+        "rate": done / elapsed,
+        "mb_s": done * size / elapsed / 1e6,
+        "fsyncs": syncs,
+        "p50_ms": latencies[len(latencies) // 2] * 1000,
+        "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000,
     }
 
 
@@ -70,20 +79,26 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.dir or Path(__file__).parent / "out")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"# {platform.node()} {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"{args.size} B payload, batches of {args.batch}, {args.inflight} in flight, dir {out}")
-    print(f"{'flush':6} {'subjects':>8} {'records':>9} {'records/s':>10} {'MB/s':>7} {'fsyncs':>7} "
-          f"{'p50 ms':>7} {'p99 ms':>7}")
+    print(
+        f"# {platform.node()} {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{args.size} B payload, batches of {args.batch}, {args.inflight} in flight, dir {out}"
+    )
+    print(
+        f"{'flush':6} {'subjects':>8} {'records':>9} {'records/s':>10} {'MB/s':>7} {'fsyncs':>7} "
+        f"{'p50 ms':>7} {'p99 ms':>7}"
+    )
     for flush in args.flush or ["sync", "async"]:
         for subjects in args.subjects or [1, 100]:
             data_dir = Path(tempfile.mkdtemp(dir=out))
             try:
-                r = asyncio.run(run_case(data_dir, flush, subjects, args.records, args.batch, args.size,
-                                         args.inflight))
+                r = asyncio.run(run_case(data_dir, flush, subjects, args.records, args.batch, args.size, args.inflight))
             finally:
                 shutil.rmtree(data_dir, ignore_errors=True)
-            print(f"{r['flush']:6} {r['subjects']:>8} {r['records']:>9} {r['rate']:>10,.0f} {r['mb_s']:>7.0f} "
-                  f"{r['fsyncs']:>7} {r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f}", flush=True)
+            print(
+                f"{r['flush']:6} {r['subjects']:>8} {r['records']:>9} {r['rate']:>10,.0f} {r['mb_s']:>7.0f} "
+                f"{r['fsyncs']:>7} {r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

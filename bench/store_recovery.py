@@ -32,8 +32,17 @@ def child(data_dir: str, gib: float, subjects: int) -> None:
     target = store.message_log.end_offset + int(gib * 1024**3)
     n = 0
     while store.message_log.end_offset < target:
-        store.append([Message(f"bench.subject-{(n + i) % subjects}", f"01JDX7Q3ZP4Y8N2K5M{n + i:010d}", payload,
-                              key=f"order-{(n + i) % 100000}") for i in range(64)])
+        store.append(
+            [
+                Message(
+                    f"bench.subject-{(n + i) % subjects}",
+                    f"01JDX7Q3ZP4Y8N2K5M{n + i:010d}",
+                    payload,
+                    key=f"order-{(n + i) % 100000}",
+                )
+                for i in range(64)
+            ]
+        )
         n += 64
     print(f"WRITTEN {n} {store.message_log.end_offset}", flush=True)
     signal.pause()
@@ -44,8 +53,9 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--subjects", type=int, default=100)
     parser.add_argument("--dir", default=None)
-    parser.add_argument("--cold", action="store_true",
-                        help="drop the page cache before reopening (root only), as after a machine crash")
+    parser.add_argument(
+        "--cold", action="store_true", help="drop the page cache before reopening (root only), as after a machine crash"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -55,8 +65,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     data_dir = Path(tempfile.mkdtemp(dir=out))
     try:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", str(data_dir), "--gib", str(args.gib),
-                                 "--subjects", str(args.subjects)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                str(data_dir),
+                "--gib",
+                str(args.gib),
+                "--subjects",
+                str(args.subjects),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = proc.stdout.readline().split()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -70,10 +92,12 @@ def main() -> None:
         replayed = store.recovery.replayed
         store.close()
         cache = "cold" if args.cold else "warm"
-        print(f"{cache} page cache: recovered {end / 1024**3:.2f} GiB ({records:,} records of 1 KiB, "
-              f"{args.subjects} subjects, "
-              f"{replayed:,} replayed after the checkpoint) in {elapsed:.2f} s "
-              f"({end / 1e6 / elapsed:,.0f} MB/s, {replayed / elapsed:,.0f} records/s)")
+        print(
+            f"{cache} page cache: recovered {end / 1024**3:.2f} GiB ({records:,} records of 1 KiB, "
+            f"{args.subjects} subjects, "
+            f"{replayed:,} replayed after the checkpoint) in {elapsed:.2f} s "
+            f"({end / 1e6 / elapsed:,.0f} MB/s, {replayed / elapsed:,.0f} records/s)"
+        )
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
 

@@ -25,6 +25,7 @@ def noop(message: qmq.Message) -> None:
 
 
 if app.db_url:
+
     @app.consumer("bench.idem", group="bench", start="earliest", idempotent=True)
     def idem(message: qmq.Message) -> None:
         pass

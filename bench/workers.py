@@ -66,18 +66,55 @@ class Processes:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-worker-"))
         self.broker_port = free_port()
         self.broker = subprocess.Popen(
-            [sys.executable, "-m", "qmq", "broker", "--data-dir", str(self.dir / "broker"), "--port",
-             str(self.broker_port), "--flush", flush, "-l", "WARNING"],
-            cwd=ROOT, env={**os.environ, "QMQ_META": "", "QMQ_TOKEN": ""})
+            [
+                sys.executable,
+                "-m",
+                "qmq",
+                "broker",
+                "--data-dir",
+                str(self.dir / "broker"),
+                "--port",
+                str(self.broker_port),
+                "--flush",
+                flush,
+                "-l",
+                "WARNING",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "QMQ_META": "", "QMQ_TOKEN": ""},
+        )
         wait_port(self.broker_port, self.broker)
         self.address = f"{HOST}:{self.broker_port}"
 
     def worker(self, subject: str, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
         port = free_port()
-        settings = {**os.environ, "PYTHONPATH": f"{ROOT / 'bench'}:{ROOT}", "BENCH_BROKER": self.address,
-                    "QMQ_META": "", "QMQ_TOKEN": "", **(env or {})}
-        proc = subprocess.Popen([sys.executable, "-m", "qmq", "worker", "-A", "worker_app:app", "-Q", subject,
-                                 "--metrics-port", str(port), "-l", "WARNING", *flags], cwd=ROOT, env=settings)
+        settings = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT / 'bench'}:{ROOT}",
+            "BENCH_BROKER": self.address,
+            "QMQ_META": "",
+            "QMQ_TOKEN": "",
+            **(env or {}),
+        }
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "qmq",
+                "worker",
+                "-A",
+                "worker_app:app",
+                "-Q",
+                subject,
+                "--metrics-port",
+                str(port),
+                "-l",
+                "WARNING",
+                *flags,
+            ],
+            cwd=ROOT,
+            env=settings,
+        )
         wait_port(port, proc)
         return proc, port
 
@@ -90,8 +127,11 @@ class Processes:
 def succeeded(port: int) -> float:
     with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("qmq_worker_messages_succeeded_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("qmq_worker_messages_succeeded_total{")
+    )
 
 
 def fill(address: str, subject: str, total: int) -> None:
@@ -141,8 +181,13 @@ def latency(procs: Processes, rate: int, seconds: float) -> dict:
     worker.send_signal(signal.SIGTERM)
     worker.wait(60)
     values = sorted(json.loads(out.read_text()))
-    return {"messages": len(values), "sent": total, "p50_ms": round(statistics.median(values), 2),
-            "p99_ms": round(values[int(len(values) * 0.99) - 1], 2), "max_ms": round(values[-1], 2)}
+    return {
+        "messages": len(values),
+        "sent": total,
+        "p50_ms": round(statistics.median(values), 2),
+        "p99_ms": round(values[int(len(values) * 0.99) - 1], 2),
+        "max_ms": round(values[-1], 2),
+    }
 
 
 def pg_database() -> tuple[str, str]:
@@ -193,8 +238,10 @@ def main() -> None:
                 result = latency(procs, args.rate, args.seconds)
             else:
                 raise SystemExit(f"unknown case {case!r}")
-            print(json.dumps({"case": case, "pool": " ".join(pool), "broker_flush": args.broker_flush, **result}),
-                  flush=True)
+            print(
+                json.dumps({"case": case, "pool": " ".join(pool), "broker_flush": args.broker_flush, **result}),
+                flush=True,
+            )
     finally:
         procs.stop()
 

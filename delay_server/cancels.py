@@ -66,8 +66,17 @@ class Cancels:
         by_month: dict[str, list[bytes]] = {}
         for offset, message_id, keep_until in items:
             self._remember(message_id, keep_until)
-            data = rec.encode(rec.Attr.MESSAGE, records.CANCEL, 0, offset, b"", message_id.encode(), b"", b"",
-                              records.DUE.pack(keep_until))
+            data = rec.encode(
+                rec.Attr.MESSAGE,
+                records.CANCEL,
+                0,
+                offset,
+                b"",
+                message_id.encode(),
+                b"",
+                b"",
+                records.DUE.pack(keep_until),
+            )
             by_month.setdefault(month_of(keep_until), []).append(data)
         for month, chunks in by_month.items():
             os.write(self._fd(month), b"".join(chunks))
@@ -100,7 +109,7 @@ class Cancels:
         for message_id in expired:
             del self.keep_until[message_id]
         for path in self.directory.glob("*" + SUFFIX):
-            month = path.name[:-len(SUFFIX)]
+            month = path.name[: -len(SUFFIX)]
             if len(month) == 6 and month.isdigit() and month_end_ms(month) <= now_ms:
                 fd = self._fds.pop(month, None)
                 if fd is not None:

@@ -48,8 +48,12 @@ class Clock:
             try:
                 offset_ms = round(float(text or 0) * 1000)
             except ValueError:
-                log.error("clock file %s holds %r, not a number of seconds: keeping offset %g s",
-                          self.offset_file, text[:40], self.offset_ms / 1000)
+                log.error(
+                    "clock file %s holds %r, not a number of seconds: keeping offset %g s",
+                    self.offset_file,
+                    text[:40],
+                    self.offset_ms / 1000,
+                )
                 self._seen = seen
                 return False
         self._seen = seen

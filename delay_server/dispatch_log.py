@@ -42,7 +42,7 @@ def read_entries(path: Path) -> tuple[list[int], int]:
     for i in range(len(data) // ENTRY_SIZE):
         at = i * ENTRY_SIZE
         offset, crc = ENTRY.unpack_from(data, at)
-        if zlib.crc32(data[at:at + 8]) == crc:
+        if zlib.crc32(data[at : at + 8]) == crc:
             offsets.append(offset)
         else:
             bad += 1

@@ -21,8 +21,9 @@ CANCEL = 0x20  # record flag: a cancel of the message with this record's id
 DUE = struct.Struct(">q")  # the payload's first 8 bytes
 
 
-def delayed(subject: str, message_id: str, payload: bytes, key: str | None, tags: Sequence[str],
-            due_ms: int) -> Message:
+def delayed(
+    subject: str, message_id: str, payload: bytes, key: str | None, tags: Sequence[str], due_ms: int
+) -> Message:
     return Message(subject, message_id, DUE.pack(due_ms) + payload, key, tuple(tags), DELAYED)
 
 
@@ -52,4 +53,4 @@ def due_of(payload: bytes) -> int:
 
 def body_of(payload: bytes) -> bytes:
     """The producer's payload (the client's envelope)."""
-    return payload[DUE.size:]
+    return payload[DUE.size :]

@@ -120,10 +120,11 @@ class Bucket:
         data = os.pread(self.index_fd, count * INDEX_SIZE, first * INDEX_SIZE)
         out = []
         crc32, head = zlib.crc32, INDEX_HEAD.size
-        for i, (offset, position, due_ms, size, crc) in enumerate(INDEX.iter_unpack(data[:len(data) // INDEX_SIZE
-                                                                                          * INDEX_SIZE])):
+        for i, (offset, position, due_ms, size, crc) in enumerate(
+            INDEX.iter_unpack(data[: len(data) // INDEX_SIZE * INDEX_SIZE])
+        ):
             at = i * INDEX_SIZE
-            if crc32(data[at:at + head]) != crc:
+            if crc32(data[at : at + head]) != crc:
                 raise ScheduleError(f"{self.index_path}: bad entry {first + i} (CRC mismatch)")
             out.append(IndexEntry(offset, position, due_ms, size))
         return out
@@ -136,7 +137,7 @@ class Bucket:
             data = os.pread(self.index_fd, min(chunk, count - first) * INDEX_SIZE, first * INDEX_SIZE)
             at = 0
             for offset, position, due_ms, _size, crc in INDEX.iter_unpack(data):
-                if crc32(data[at:at + head]) != crc:
+                if crc32(data[at : at + head]) != crc:
                     raise ScheduleError(f"{self.index_path}: bad entry {first + at // INDEX_SIZE} (CRC mismatch)")
                 at += INDEX_SIZE
                 yield offset, position, due_ms
@@ -169,8 +170,10 @@ class Bucket:
             assert last is not None
             end = last.position + last.size
             if end > self.log_size:
-                raise ScheduleError(f"{self.log_path}: index entry {count - 1} points past the end of the file "
-                                    f"({end} > {self.log_size})")
+                raise ScheduleError(
+                    f"{self.log_path}: index entry {count - 1} points past the end of the file "
+                    f"({end} > {self.log_size})"
+                )
         dropped = self.count - count
         if dropped or end != self.log_size or os.fstat(self.index_fd).st_size != count * INDEX_SIZE:
             os.ftruncate(self.index_fd, count * INDEX_SIZE)
@@ -203,7 +206,7 @@ class ScheduleLog:
         self.bucket_ms = self.bucket_minutes * 60_000
         self.starts: set[int] = set()
         for path in directory.glob("*" + LOG_SUFFIX):
-            start = parse_bucket_name(path.name[:-len(LOG_SUFFIX)])
+            start = parse_bucket_name(path.name[: -len(LOG_SUFFIX)])
             if start is not None:
                 self.starts.add(start)
         self.checkpoint_offset = _load_checkpoint(directory)

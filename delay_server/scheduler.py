@@ -75,9 +75,17 @@ class LoadedBucket:
 
 
 class Scheduler:
-    def __init__(self, schedule: ScheduleLog, dispatch_dir: Path, cancels: Cancels, clock: Clock,
-                 client: AsyncClient | None, *, load_ahead_s: float = DEFAULT_LOAD_AHEAD_S,
-                 retention_s: float = DEFAULT_RETENTION_S) -> None:
+    def __init__(
+        self,
+        schedule: ScheduleLog,
+        dispatch_dir: Path,
+        cancels: Cancels,
+        clock: Clock,
+        client: AsyncClient | None,
+        *,
+        load_ahead_s: float = DEFAULT_LOAD_AHEAD_S,
+        retention_s: float = DEFAULT_RETENTION_S,
+    ) -> None:
         self.schedule = schedule
         self.dispatch_dir = dispatch_dir
         self.cancels = cancels
@@ -92,7 +100,7 @@ class Scheduler:
         self.done: set[int] = set()  # buckets whose every message was delivered or cancelled
         dispatch_dir.mkdir(parents=True, exist_ok=True)
         for path in dispatch_dir.glob("*" + dispatch_log.DONE_SUFFIX):
-            start = parse_bucket_name(path.name[:-len(dispatch_log.DONE_SUFFIX)])
+            start = parse_bucket_name(path.name[: -len(dispatch_log.DONE_SUFFIX)])
             if start is not None:
                 self.done.add(start)
         self.cancelling: dict[str, int] = {}  # ids whose cancel is not durable yet -> requests
@@ -197,8 +205,13 @@ class Scheduler:
         count = self.schedule.count(start_ms)  # entries appended later go straight into the wheel
         slot = self._next_slot
         self._next_slot += 1
-        lb = LoadedBucket(start_ms, start_ms + self.schedule.bucket_ms, slot,
-                          Bucket(self.schedule.directory, start_ms), DispatchLog(self.dispatch_dir, start_ms))
+        lb = LoadedBucket(
+            start_ms,
+            start_ms + self.schedule.bucket_ms,
+            slot,
+            Bucket(self.schedule.directory, start_ms),
+            DispatchLog(self.dispatch_dir, start_ms),
+        )
         self.loaded[start_ms] = lb
         self._by_slot[slot] = lb
         try:
@@ -308,8 +321,12 @@ class Scheduler:
                     self._delivering -= 1
 
     async def _deliver(self, items: list[tuple[int, int, rec.Record]]) -> None:
-        messages = [ForwardedMessage(r.subject, None, key=r.key, tags=r.tags, id=r.message_id,
-                                     payload=records.body_of(r.payload)) for _, _, r in items]
+        messages = [
+            ForwardedMessage(
+                r.subject, None, key=r.key, tags=r.tags, id=r.message_id, payload=records.body_of(r.payload)
+            )
+            for _, _, r in items
+        ]
         try:
             assert self.client is not None, "the scheduler has no client to deliver with"
             results = await self.client.send(messages)
@@ -384,13 +401,22 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         buckets = self.pending_by_bucket()
         return {
-            "now_ms": self.clock.now_ms(), "clock_offset_ms": self.clock.offset_ms,
-            "bucket_minutes": self.schedule.bucket_minutes, "pending": sum(buckets.values()), "buckets": buckets,
+            "now_ms": self.clock.now_ms(),
+            "clock_offset_ms": self.clock.offset_ms,
+            "bucket_minutes": self.schedule.bucket_minutes,
+            "pending": sum(buckets.values()),
+            "buckets": buckets,
             "loaded": sorted(lb.name for lb in self.loaded.values() if not lb.loading),
-            "wheel": len(self.wheel), "wheel_bytes": self.wheel.nbytes(), "held": len(self._staged),
-            "cancels_kept": len(self.cancels), **self.counters,
-            "lateness": {"count": self.lateness.count, "sum_s": self.lateness.total_s,
-                         "counts": list(self.lateness.counts)},
+            "wheel": len(self.wheel),
+            "wheel_bytes": self.wheel.nbytes(),
+            "held": len(self._staged),
+            "cancels_kept": len(self.cancels),
+            **self.counters,
+            "lateness": {
+                "count": self.lateness.count,
+                "sum_s": self.lateness.total_s,
+                "counts": list(self.lateness.counts),
+            },
         }
 
 
@@ -418,4 +444,3 @@ def _read_bucket(lb: LoadedBucket, count: int) -> tuple[dict[int, array], int, i
         values.append(slot_bits | position)
         pending += 1
     return ticks, pending, len(delivered)
-

@@ -68,10 +68,12 @@ async def serve_delay_server(
     try:
         schedule = ScheduleLog(schedule_dir, bucket_minutes)
         cancels = await asyncio.to_thread(Cancels, cancels_dir)
-        client = AsyncClient(meta=meta or None, brokers=list(brokers) or None, token=token,
-                             client_id=f"delay-server-{port}")
-        scheduler = Scheduler(schedule, dispatch_dir, cancels, clock, client, load_ahead_s=load_ahead_s,
-                              retention_s=retention_s)
+        client = AsyncClient(
+            meta=meta or None, brokers=list(brokers) or None, token=token, client_id=f"delay-server-{port}"
+        )
+        scheduler = Scheduler(
+            schedule, dispatch_dir, cancels, clock, client, load_ahead_s=load_ahead_s, retention_s=retention_s
+        )
         service = DelayService(store, schedule, cancels, scheduler, clock, max_delay_s=max_delay_s)
         await asyncio.to_thread(service.recover)
         release_free_memory()
@@ -90,9 +92,15 @@ async def serve_delay_server(
         if meta:
             membership = Membership(meta, kind="delay", group=None, address=address, token=token)
             membership.start()
-        log.info("delay server ready on %s in %.2f s (data %s, %d-minute buckets, delivering via %s%s)", address,
-                 time.monotonic() - started, data_dir, schedule.bucket_minutes,
-                 f"meta {meta}" if meta else ", ".join(brokers), f", clock file {clock_file}" if clock_file else "")
+        log.info(
+            "delay server ready on %s in %.2f s (data %s, %d-minute buckets, delivering via %s%s)",
+            address,
+            time.monotonic() - started,
+            data_dir,
+            schedule.bucket_minutes,
+            f"meta {meta}" if meta else ", ".join(brokers),
+            f", clock file {clock_file}" if clock_file else "",
+        )
         refresher = asyncio.create_task(_refresh_metrics(scheduler))
         await stop.wait()
         log.info("shutting down")

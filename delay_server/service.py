@@ -61,8 +61,17 @@ def iso(ms: int) -> str:
 
 
 class DelayService:
-    def __init__(self, store: LogStore, schedule: ScheduleLog, cancels: Cancels, scheduler: Scheduler, clock: Clock,
-                 *, max_delay_s: float = DEFAULT_MAX_DELAY_S, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        store: LogStore,
+        schedule: ScheduleLog,
+        cancels: Cancels,
+        scheduler: Scheduler,
+        clock: Clock,
+        *,
+        max_delay_s: float = DEFAULT_MAX_DELAY_S,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
         self.store = store
         self.schedule = schedule
         self.cancels = cancels
@@ -91,8 +100,12 @@ class DelayService:
         start = self.schedule.checkpoint_offset
         message_log = self.store.message_log
         if start < message_log.start_offset:
-            log.error("the message log from %d was removed before it was filed into the schedule log (filed up to "
-                      "%d): messages in between are lost", message_log.start_offset, start)
+            log.error(
+                "the message log from %d was removed before it was filed into the schedule log (filed up to "
+                "%d): messages in between are lost",
+                message_log.start_offset,
+                start,
+            )
             start = message_log.start_offset
         cut: set[int] = set()
         pending: dict[int, list[tuple[int, int, bytes]]] = defaultdict(list)
@@ -110,8 +123,9 @@ class DelayService:
                     assert bucket is not None
                     dropped = bucket.cut_from(start)
                     if dropped:
-                        log.info("bucket %s: %d entries after the checkpoint cut, to be filed again", bucket.name,
-                                 dropped)
+                        log.info(
+                            "bucket %s: %d entries after the checkpoint cut, to be filed again", bucket.name, dropped
+                        )
                     (self.scheduler.dispatch_dir / (bucket.name + DONE_SUFFIX)).unlink(missing_ok=True)
                     self.scheduler.done.discard(bucket_start)
                     cut.add(bucket_start)
@@ -126,8 +140,9 @@ class DelayService:
         end = message_log.end_offset
         self.schedule.save_checkpoint(end, self.schedule.take_dirty() + self.cancels.take_dirty())
         self.filed_upto = end
-        log.info("schedule log recovered: %d records after the checkpoint filed again into %d buckets", replayed,
-                 len(cut))
+        log.info(
+            "schedule log recovered: %d records after the checkpoint filed again into %d buckets", replayed, len(cut)
+        )
         return replayed
 
     def _append_replayed(self, pending: dict[int, list[tuple[int, int, bytes]]]) -> None:
@@ -169,8 +184,9 @@ class DelayService:
     async def handle(self, request: Request, peer: PeerInfo) -> dict[str, Any] | None:
         handler = self._handlers.get(request.code)
         if handler is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"the delay server has no request code {request.code}",
-                                fatal=False)
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_REQUEST, f"the delay server has no request code {request.code}", fatal=False
+            )
         body = request.body if request.body is not None else {}
         if not isinstance(body, dict):
             raise ProtocolError(ErrorCode.BAD_BODY, "the body must be a map", fatal=False)
@@ -208,15 +224,19 @@ class DelayService:
         if type(deliver_at) is not int:
             raise _bad(f"message {message_id}: deliver_at must be ms since the epoch")
         if deliver_at > now + self.max_delay_ms:
-            raise _bad(f"message {message_id}: deliver_at {iso(deliver_at)} is {(deliver_at - now) / DAY_MS:.1f} "
-                       f"days ahead; this delay server takes at most {self.max_delay_ms / DAY_MS:g} days")
-        return Message(m.subject, message_id, _DUE_PACK(max(deliver_at, now)) + m.payload, m.key, m.tags,
-                       records.DELAYED)
+            raise _bad(
+                f"message {message_id}: deliver_at {iso(deliver_at)} is {(deliver_at - now) / DAY_MS:.1f} "
+                f"days ahead; this delay server takes at most {self.max_delay_ms / DAY_MS:g} days"
+            )
+        return Message(
+            m.subject, message_id, _DUE_PACK(max(deliver_at, now)) + m.payload, m.key, m.tags, records.DELAYED
+        )
 
     async def _cancel(self, body: dict[str, Any]) -> dict[str, Any]:
         ids = body.get("ids")
-        if not isinstance(ids, list) or not all(isinstance(i, str) and 0 < len(i.encode()) <= MAX_MESSAGE_ID_LEN
-                                                for i in ids):
+        if not isinstance(ids, list) or not all(
+            isinstance(i, str) and 0 < len(i.encode()) <= MAX_MESSAGE_ID_LEN for i in ids
+        ):
             raise _bad(f"'ids' must be a list of message ids (strings of 1-{MAX_MESSAGE_ID_LEN} bytes)")
         if len(ids) > MAX_CANCEL_IDS:
             raise _bad(f"at most {MAX_CANCEL_IDS} ids per request")
@@ -244,7 +264,7 @@ class DelayService:
         return {"outcomes": outcomes}
 
     def _cancel_outcome(self, message_id: str, now: int) -> str:
-        """"too_late" when the message was due already; "cancelled" when it is pending (or already
+        """ "too_late" when the message was due already; "cancelled" when it is pending (or already
         cancelled); "unknown" when the message log no longer (or never) had it, in which case the
         cancel is recorded anyway: the message may be older than the log's retention."""
         record = self.store.find_by_id(message_id)
@@ -262,8 +282,10 @@ class DelayService:
 
     def _check_healthy(self) -> None:
         if self.failed is not None:
-            raise RemoteError(ErrorCode.UNAVAILABLE, f"the delay server could not write its schedule log and takes "
-                                                     f"nothing until restarted: {self.failed}")
+            raise RemoteError(
+                ErrorCode.UNAVAILABLE,
+                f"the delay server could not write its schedule log and takes nothing until restarted: {self.failed}",
+            )
 
     # ---- from the message log into the buckets ----------------------------------------------------
 
@@ -291,7 +313,7 @@ class DelayService:
         i = 0
         items = []
         for batch, future in appends:
-            mine = appended[i:i + len(batch)]
+            mine = appended[i : i + len(batch)]
             items.extend(zip(mine, batch, strict=True))
             future.set_result(mine)
             i += len(batch)
@@ -306,8 +328,11 @@ class DelayService:
                 self._file(items)
             except Exception as exc:
                 self.failed = exc
-                log.critical("cannot write the schedule log; refusing new messages until restarted (a restart "
-                             "files them from the message log): %s", exc)
+                log.critical(
+                    "cannot write the schedule log; refusing new messages until restarted (a restart "
+                    "files them from the message log): %s",
+                    exc,
+                )
                 return
             self.filed_upto = end
 
@@ -325,7 +350,7 @@ class DelayService:
             if message.flags & cancel_flag:
                 cancels.append((offset, message.message_id, due))
             else:
-                by_bucket[due - due % bucket_ms].append((offset, due, raw[offset - first:appended.end - first]))
+                by_bucket[due - due % bucket_ms].append((offset, due, raw[offset - first : appended.end - first]))
         for bucket_start, entries in by_bucket.items():
             _bucket, positions = self.schedule.append(bucket_start, entries)
             self.scheduler.scheduled(bucket_start, zip(positions, (due for _, due, _ in entries), strict=True))
@@ -363,4 +388,3 @@ def _request_name(code: int) -> str:
         return RequestCode(code).name.lower()
     except ValueError:
         return "unknown"
-

@@ -52,8 +52,10 @@ def _bucket_minutes(data_dir: Path) -> int:
 def _records(path: Path, report: VerifyReport) -> list[rec.Record]:
     found, error = records.read_file(path)
     if isinstance(error, rec.TruncatedRecord):
-        report.notes.append(f"{path}: an incomplete record at position {error.offset} (being written, or a torn "
-                            f"tail that the next start cuts)")
+        report.notes.append(
+            f"{path}: an incomplete record at position {error.offset} (being written, or a torn "
+            f"tail that the next start cuts)"
+        )
     elif error is not None:
         report.problems.append(f"{path}: bad record at position {error.offset}: {error.reason}")
     return found
@@ -66,14 +68,15 @@ def verify_delay_files(data_dir: Path, report: VerifyReport) -> DelayCounts:
     bucket_ms = _bucket_minutes(data_dir) * 60_000
     offsets_by_bucket: dict[str, set[int]] = {}
     for path in sorted(schedule_dir.glob("*" + LOG_SUFFIX)):
-        name = path.name[:-len(LOG_SUFFIX)]
+        name = path.name[: -len(LOG_SUFFIX)]
         start = parse_bucket_name(name)
         if start is None:
             continue
-        offsets_by_bucket[name] = _verify_bucket(path, schedule_dir / (name + INDEX_SUFFIX), start, bucket_ms, report,
-                                                 counts)
+        offsets_by_bucket[name] = _verify_bucket(
+            path, schedule_dir / (name + INDEX_SUFFIX), start, bucket_ms, report, counts
+        )
     for path in sorted((data_dir / "dispatch").glob("*" + dispatch_log.SUFFIX)):
-        name = path.name[:-len(dispatch_log.SUFFIX)]
+        name = path.name[: -len(dispatch_log.SUFFIX)]
         positions, bad = dispatch_log.read_entries(path)
         counts.dispatched += len(positions)
         if bad:
@@ -97,8 +100,9 @@ def verify_delay_files(data_dir: Path, report: VerifyReport) -> DelayCounts:
     return counts
 
 
-def _verify_bucket(log_path: Path, index_path: Path, start: int, bucket_ms: int, report: VerifyReport,
-                   counts: DelayCounts) -> set[int]:
+def _verify_bucket(
+    log_path: Path, index_path: Path, start: int, bucket_ms: int, report: VerifyReport, counts: DelayCounts
+) -> set[int]:
     found = {r.offset: r for r in _records(log_path, report)}  # by position in the .log file
     counts.buckets += 1
     counts.scheduled += len(found)
@@ -112,7 +116,7 @@ def _verify_bucket(log_path: Path, index_path: Path, start: int, bucket_ms: int,
         at = i * INDEX_SIZE
         offset, position, due_ms, size = INDEX_HEAD.unpack_from(data, at)
         where = f"{index_path}: entry {i}"
-        if zlib.crc32(data[at:at + INDEX_HEAD.size]) != int.from_bytes(data[at + INDEX_HEAD.size:at + INDEX_SIZE]):
+        if zlib.crc32(data[at : at + INDEX_HEAD.size]) != int.from_bytes(data[at + INDEX_HEAD.size : at + INDEX_SIZE]):
             report.problems.append(f"{where}: CRC mismatch")
             continue
         record = found.get(position)
@@ -135,7 +139,7 @@ def iter_scheduled(data_dir: Path) -> Iterator[tuple[str, rec.Record]]:
     """(bucket name, record copy) for every message in the schedule log, bucket by bucket."""
     report = VerifyReport()
     for path in sorted((data_dir / "schedule").glob("*" + LOG_SUFFIX)):
-        name = path.name[:-len(LOG_SUFFIX)]
+        name = path.name[: -len(LOG_SUFFIX)]
         if parse_bucket_name(name) is not None:
             for record in _records(path, report):
                 yield name, record

@@ -7,6 +7,7 @@ bash scripts/setup.sh
 VENV=${QMQ_VENV:-$(pwd)/.venv}
 echo "[test] ruff"
 "$VENV/bin/ruff" check .
-"$VENV/bin/ruff" format --check . >/dev/null 2>&1 || true
+echo "[test] ruff format --check"
+"$VENV/bin/ruff" format --check . || { echo "[test] the formatter would change the files above: run '$VENV/bin/ruff format .'" >&2; exit 1; }
 echo "[test] pytest"
 exec "$VENV/bin/python" -m pytest "$@"

@@ -93,19 +93,32 @@ def run(spark: SparkSession, settings: Settings) -> Findings:
         per_group = [row.asDict() for row in c.per_group(pairs, classified).orderBy("subject", "group").collect()]
         examples = _examples(anomalies)
     findings = Findings(
-        window={"since": _iso(since), "until": _iso(until), "as_of": _iso(exports.as_of),
-                "grace_s": settings.grace.total_seconds(), "cutoff": _iso(cutoff)},
-        sources={"outbox": [db.name for db in outbox_dbs], "consumed": [db.name for db in consumed_dbs],
-                 "ledger": str(settings.ledger),
-                 "stores": [{k: s.get(k) for k in ("name", "kind", "as_of", "stale")} for s in exports.stores],
-                 "ignored_groups": list(settings.ignore_groups)},
-        counts=counts, per_subject=per_subject, per_group=per_group, examples=examples,
+        window={
+            "since": _iso(since),
+            "until": _iso(until),
+            "as_of": _iso(exports.as_of),
+            "grace_s": settings.grace.total_seconds(),
+            "cutoff": _iso(cutoff),
+        },
+        sources={
+            "outbox": [db.name for db in outbox_dbs],
+            "consumed": [db.name for db in consumed_dbs],
+            "ledger": str(settings.ledger),
+            "stores": [{k: s.get(k) for k in ("name", "kind", "as_of", "stale")} for s in exports.stores],
+            "ignored_groups": list(settings.ignore_groups),
+        },
+        counts=counts,
+        per_subject=per_subject,
+        per_group=per_group,
+        examples=examples,
         thresholds={NOT_SHIPPED: str(settings.max_not_shipped), NOT_ACKED: str(settings.max_not_acked)},
     )
     total = findings.total
-    findings.exceeded = [cls for cls, threshold in ((NOT_SHIPPED, settings.max_not_shipped),
-                                                    (NOT_ACKED, settings.max_not_acked))
-                         if threshold.exceeded(counts.get(cls, 0), total)]
+    findings.exceeded = [
+        cls
+        for cls, threshold in ((NOT_SHIPPED, settings.max_not_shipped), (NOT_ACKED, settings.max_not_acked))
+        if threshold.exceeded(counts.get(cls, 0), total)
+    ]
     if settings.redrive or settings.redrive_dead:
         findings.redrive = _repair(settings, outbox_dbs, anomalies)
     with _step("wrote the report"):
@@ -118,13 +131,16 @@ def run(spark: SparkSession, settings: Settings) -> Findings:
 def _examples(anomalies) -> dict[str, list[dict]]:
     """The first anomalies of each class by message id, in one pass."""
     first = Window.partitionBy("class").orderBy("message_id")
-    rows = (anomalies.select("class", "message_id", "subject", "groups", "reason")
-            .withColumn("n", F.row_number().over(first)).where(F.col("n") <= EXAMPLES_PER_CLASS)
-            .orderBy("class", "message_id").collect())
+    rows = (
+        anomalies.select("class", "message_id", "subject", "groups", "reason")
+        .withColumn("n", F.row_number().over(first))
+        .where(F.col("n") <= EXAMPLES_PER_CLASS)
+        .orderBy("class", "message_id")
+        .collect()
+    )
     examples: dict[str, list[dict]] = {}
     for row in rows:
-        examples.setdefault(row["class"], []).append({k: row[k] for k in ("message_id", "subject", "groups",
-                                                                           "reason")})
+        examples.setdefault(row["class"], []).append({k: row[k] for k in ("message_id", "subject", "groups", "reason")})
     return examples
 
 
@@ -133,12 +149,16 @@ def _repair(settings: Settings, outbox_dbs, anomalies) -> repairs.RedriveReport:
     if settings.redrive:
         urls = {db.name: db.url for db in outbox_dbs}
         ids: dict[str, list[str]] = {}
-        for row in (anomalies.where(F.col("class") == NOT_SHIPPED).select("database", "message_id")
-                    .toLocalIterator()):
+        for row in anomalies.where(F.col("class") == NOT_SHIPPED).select("database", "message_id").toLocalIterator():
             ids.setdefault(row["database"], []).append(row["message_id"])
         repairs.redrive_outbox(urls, ids, report)
     if settings.redrive_dead:
-        pairs = [(r["subject"], r["group"]) for r in anomalies.where(F.col("class") == DEAD_LETTERED)
-                 .select("subject", F.explode("groups").alias("group")).distinct().collect()]
+        pairs = [
+            (r["subject"], r["group"])
+            for r in anomalies.where(F.col("class") == DEAD_LETTERED)
+            .select("subject", F.explode("groups").alias("group"))
+            .distinct()
+            .collect()
+        ]
         repairs.redrive_dead(pairs, settings.brokers, settings.meta, None, report)
     return report

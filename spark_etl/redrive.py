@@ -51,11 +51,21 @@ def redrive_outbox(urls: dict[str, str], ids_by_database: dict[str, Iterable[str
         try:
             for batch in _batches(ids):
                 asked += len(batch)
-                leased_now = sa.and_(outbox.c.state == PENDING, outbox.c.lease_token.is_not(None),
-                                     outbox.c.lease_expires_at > now)
-                statement = (sa.update(outbox).where(outbox.c.message_id.in_(batch), ~leased_now)
-                             .values(state=PENDING, next_attempt_at=now, lease_token=None, lease_expires_at=None,
-                                     flagged_at=None, sent_at=None))
+                leased_now = sa.and_(
+                    outbox.c.state == PENDING, outbox.c.lease_token.is_not(None), outbox.c.lease_expires_at > now
+                )
+                statement = (
+                    sa.update(outbox)
+                    .where(outbox.c.message_id.in_(batch), ~leased_now)
+                    .values(
+                        state=PENDING,
+                        next_attempt_at=now,
+                        lease_token=None,
+                        lease_expires_at=None,
+                        flagged_at=None,
+                        sent_at=None,
+                    )
+                )
                 with engine.begin() as conn:
                     changed += conn.execute(statement).rowcount
                     if conn.dialect.name == "postgresql":
@@ -64,8 +74,12 @@ def redrive_outbox(urls: dict[str, str], ids_by_database: dict[str, Iterable[str
             engine.dispose()
         report.outbox[name] = changed
         report.outbox_skipped[name] = asked - changed
-        log.warning("re-drove %d outbox rows of %s back to pending (%d left: leased right now, or gone)", changed,
-                    name, asked - changed)
+        log.warning(
+            "re-drove %d outbox rows of %s back to pending (%d left: leased right now, or gone)",
+            changed,
+            name,
+            asked - changed,
+        )
 
 
 def broker_addresses(pairs: list[tuple[str, str]], brokers: list[str], meta: str | None) -> dict[str, list[str]]:
@@ -79,8 +93,9 @@ def broker_addresses(pairs: list[tuple[str, str]], brokers: list[str], meta: str
         return {s: sorted({a for g in client.route(s).groups for a in g.addresses}) for s in subjects}
 
 
-def redrive_dead(pairs: list[tuple[str, str]], brokers: list[str], meta: str | None, token: str | None,
-                 report: RedriveReport) -> None:
+def redrive_dead(
+    pairs: list[tuple[str, str]], brokers: list[str], meta: str | None, token: str | None, report: RedriveReport
+) -> None:
     """Ask every broker of each subject to re-drive the dead letters of each (subject, group)."""
     from qmq.net.client import BlockingConnection
     from qmq.protocol.codes import RequestCode
@@ -92,8 +107,9 @@ def redrive_dead(pairs: list[tuple[str, str]], brokers: list[str], meta: str | N
             item = {"broker": address, "subject": subject, "group": group}
             try:
                 with BlockingConnection.open(host, int(port), client_id="qmq-reconcile", token=token) as conn:
-                    reply = conn.request(RequestCode.BROKER_DEAD_REDRIVE, {"subject": subject, "group": group},
-                                         timeout=REDRIVE_TIMEOUT_S)
+                    reply = conn.request(
+                        RequestCode.BROKER_DEAD_REDRIVE, {"subject": subject, "group": group}, timeout=REDRIVE_TIMEOUT_S
+                    )
                 item["redriven"] = int(reply["redriven"])
             except Exception as exc:  # one broker down must not hide what the others did
                 item["error"] = f"{type(exc).__name__}: {exc}"

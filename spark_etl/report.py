@@ -19,8 +19,14 @@ SUMMARY_FILE, REPORT_FILE, CHART_FILE = "summary.json", "report.md", "anomalies.
 CLASSIFIED_DIR, ANOMALIES_DIR, PAIRS_DIR = "classified", "anomalies", "pairs"
 EXAMPLES_PER_CLASS = 20
 OK, THRESHOLD_EXCEEDED, CRITICAL_FOUND = 0, 3, 4  # exit codes
-CLASS_COLOURS = {"rolled_back": "#7f0000", "not_shipped": "#d62728", "dead_lettered": "#9467bd",
-                 "not_acked": "#ff7f0e", "redelivered": "#1f77b4", "orphaned": "#7f7f7f"}
+CLASS_COLOURS = {
+    "rolled_back": "#7f0000",
+    "not_shipped": "#d62728",
+    "dead_lettered": "#9467bd",
+    "not_acked": "#ff7f0e",
+    "redelivered": "#1f77b4",
+    "orphaned": "#7f7f7f",
+}
 
 
 @dataclass
@@ -48,12 +54,18 @@ class Findings:
 
 def summary(findings: Findings) -> dict[str, Any]:
     counts = {"total": findings.total, **{c: findings.counts.get(c, 0) for c in CLASSES}}
-    out: dict[str, Any] = {**counts, "anomalies": sum(findings.counts.get(c, 0) for c in ANOMALIES),
-                           "critical": sum(findings.counts.get(c, 0) for c in CRITICAL),
-                           "window": findings.window, "thresholds": findings.thresholds,
-                           "exceeded": findings.exceeded, "exit_code": findings.exit_code,
-                           "subjects": findings.per_subject, "groups": findings.per_group,
-                           "sources": findings.sources}
+    out: dict[str, Any] = {
+        **counts,
+        "anomalies": sum(findings.counts.get(c, 0) for c in ANOMALIES),
+        "critical": sum(findings.counts.get(c, 0) for c in CRITICAL),
+        "window": findings.window,
+        "thresholds": findings.thresholds,
+        "exceeded": findings.exceeded,
+        "exit_code": findings.exit_code,
+        "subjects": findings.per_subject,
+        "groups": findings.per_group,
+        "sources": findings.sources,
+    }
     if findings.redrive is not None:
         out["redrive"] = asdict(findings.redrive)
     return out
@@ -81,8 +93,10 @@ def write_chart(path: Path, findings: Findings) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    subjects = sorted((s for s, c in findings.per_subject.items() if any(c.get(a) for a in ANOMALIES)),
-                      key=lambda s: -sum(findings.per_subject[s].get(a, 0) for a in ANOMALIES))
+    subjects = sorted(
+        (s for s, c in findings.per_subject.items() if any(c.get(a) for a in ANOMALIES)),
+        key=lambda s: -sum(findings.per_subject[s].get(a, 0) for a in ANOMALIES),
+    )
     fig, ax = plt.subplots(figsize=(9, 1.5 + 0.45 * max(1, len(subjects))), dpi=100)
     if not subjects:
         ax.text(0.5, 0.5, f"no anomalies among {findings.total:,} messages", ha="center", va="center", fontsize=13)
@@ -108,31 +122,51 @@ def write_chart(path: Path, findings: Findings) -> None:
 
 def render_report(f: Findings) -> str:
     w = f.window
-    verdict = {OK: "**OK**: within the thresholds.",
-               THRESHOLD_EXCEEDED: f"**FAILED**: {', '.join(f.exceeded)} over the threshold.",
-               CRITICAL_FOUND: "**CRITICAL**: messages of rolled-back transactions were found on brokers."}
+    verdict = {
+        OK: "**OK**: within the thresholds.",
+        THRESHOLD_EXCEEDED: f"**FAILED**: {', '.join(f.exceeded)} over the threshold.",
+        CRITICAL_FOUND: "**CRITICAL**: messages of rolled-back transactions were found on brokers.",
+    }
     lines = [
-        f"# qmq reconciliation: {w['since']} .. {w['until']}", "",
+        f"# qmq reconciliation: {w['since']} .. {w['until']}",
+        "",
         f"{verdict[f.exit_code]} {f.total:,} messages; the ledger is complete up to {w['as_of']}; messages made "
-        f"after {w['cutoff']} (grace {w['grace_s']:g} s) are counted in flight, not reported.", "",
-        "| class | messages | threshold |", "|---|---:|---|",
+        f"after {w['cutoff']} (grace {w['grace_s']:g} s) are counted in flight, not reported.",
+        "",
+        "| class | messages | threshold |",
+        "|---|---:|---|",
         *[f"| {c} | {f.counts.get(c, 0):,} | {f.thresholds.get(c, '')} |" for c in CLASSES],
-        f"| **total** | {f.total:,} | |", "",
-        f"![anomalies per subject]({CHART_FILE})", "",
-        "## Per subject", "",
-        "| subject | " + " | ".join(CLASSES) + " |", "|---|" + "---:|" * len(CLASSES),
-        *[f"| {s} | " + " | ".join(f"{c.get(k, 0):,}" for k in CLASSES) + " |"
-          for s, c in sorted(f.per_subject.items())], "",
-        "## Per consumer group", "",
-        "Messages of the window each group consumes (or received), and what became of them there.", "",
+        f"| **total** | {f.total:,} | |",
+        "",
+        f"![anomalies per subject]({CHART_FILE})",
+        "",
+        "## Per subject",
+        "",
+        "| subject | " + " | ".join(CLASSES) + " |",
+        "|---|" + "---:|" * len(CLASSES),
+        *[
+            f"| {s} | " + " | ".join(f"{c.get(k, 0):,}" for k in CLASSES) + " |"
+            for s, c in sorted(f.per_subject.items())
+        ],
+        "",
+        "## Per consumer group",
+        "",
+        "Messages of the window each group consumes (or received), and what became of them there.",
+        "",
         "| subject | group | messages | acked | not acked | dead-lettered | received twice or more |",
         "|---|---|---:|---:|---:|---:|---:|",
-        *[f"| {g['subject']} | {g['group']} | {g['messages']:,} | {g['acked']:,} | {g['not_acked']:,} | "
-          f"{g['dead']:,} | {g['redelivered']:,} |" for g in f.per_group], "",
-        "## Anomalies", "",
+        *[
+            f"| {g['subject']} | {g['group']} | {g['messages']:,} | {g['acked']:,} | {g['not_acked']:,} | "
+            f"{g['dead']:,} | {g['redelivered']:,} |"
+            for g in f.per_group
+        ],
+        "",
+        "## Anomalies",
+        "",
         f"Every one is in `{ANOMALIES_DIR}/` (Parquet: message id, class, subject, database, groups, reason); "
         f"every message of the window with its class is in `{CLASSIFIED_DIR}/`, and every (message, group) in "
-        f"`{PAIRS_DIR}/`.", "",
+        f"`{PAIRS_DIR}/`.",
+        "",
     ]
     for cls in ANOMALIES:
         examples = f.examples.get(cls, [])
@@ -154,8 +188,10 @@ def _redrive_section(redrive: RedriveReport | None) -> list[str]:
         return []
     lines = ["## Repairs", ""]
     for database, rows in redrive.outbox.items():
-        lines.append(f"- {NOT_SHIPPED}: {rows:,} outbox rows of `{database}` put back to pending "
-                     f"({redrive.outbox_skipped.get(database, 0):,} left alone: leased at that moment, or gone).")
+        lines.append(
+            f"- {NOT_SHIPPED}: {rows:,} outbox rows of `{database}` put back to pending "
+            f"({redrive.outbox_skipped.get(database, 0):,} left alone: leased at that moment, or gone)."
+        )
     for item in redrive.dead:
         outcome = f"{item['redriven']:,} dead letters re-driven" if "redriven" in item else f"failed: {item['error']}"
         lines.append(f"- dead letters of {item['subject']} / {item['group']} on {item['broker']}: {outcome}.")
@@ -166,4 +202,3 @@ def _redrive_section(redrive: RedriveReport | None) -> list[str]:
 
 def _cell(text: str | None) -> str:
     return (text or "").replace("|", "\\|").replace("\n", " ")
-

@@ -42,12 +42,12 @@ def jdbc_jar() -> Path:
     if not path.is_file():
         raise JdbcDriverMissing(
             f"the PostgreSQL JDBC driver is missing: no {path}. Install Debian's {JDBC_PACKAGE} "
-            f"(apt-get install {JDBC_PACKAGE}) or set ${JDBC_JAR_ENV} to a postgresql-*.jar")
+            f"(apt-get install {JDBC_PACKAGE}) or set ${JDBC_JAR_ENV} to a postgresql-*.jar"
+        )
     return path
 
 
-def spark_session(master: str | None = None, *, driver_memory: str | None = None,
-                  conf: dict[str, str] | None = None):
+def spark_session(master: str | None = None, *, driver_memory: str | None = None, conf: dict[str, str] | None = None):
     """The session to run in: the one already running (tests, spark-submit), or a new one. `master`
     None leaves it to spark-submit or to Spark's configuration; `conf` adds settings."""
     jar = jdbc_jar()
@@ -72,7 +72,8 @@ def spark_session(master: str | None = None, *, driver_memory: str | None = None
     if not driver_loadable(spark):
         raise JdbcDriverMissing(
             f"the PostgreSQL JDBC driver is not on the Spark driver's class path (a Spark started before this "
-            f"job cannot take it any more): with spark-submit, pass --jars {jar}")
+            f"job cannot take it any more): with spark-submit, pass --jars {jar}"
+        )
     return spark
 
 
@@ -80,8 +81,9 @@ def driver_loadable(spark) -> bool:
     """Whether the driver JVM can load the PostgreSQL JDBC driver (Spark resolves schemas there)."""
     jvm = spark.sparkContext._jvm
     try:
-        jvm.java.lang.Class.forName(JDBC_DRIVER_CLASS, True, jvm.java.lang.Thread.currentThread()
-                                    .getContextClassLoader())
+        jvm.java.lang.Class.forName(
+            JDBC_DRIVER_CLASS, True, jvm.java.lang.Thread.currentThread().getContextClassLoader()
+        )
     except Exception:
         return False
     return True

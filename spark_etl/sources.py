@@ -30,8 +30,18 @@ from worker.schema import consumed as consumed_table
 POSTGRESQL_DRIVERS = ("postgresql", "postgres")
 FETCH_ROWS = 10_000  # rows per round trip; pgJDBC streams only with a fetch size
 ROWS_PER_JDBC_PARTITION = 1_000_000
-OUTBOX_COLUMNS = ("id", "message_id", "subject", "state", "attempts", "created_at", "sent_at", "flagged_at",
-                  "deliver_at", "last_error")
+OUTBOX_COLUMNS = (
+    "id",
+    "message_id",
+    "subject",
+    "state",
+    "attempts",
+    "created_at",
+    "sent_at",
+    "flagged_at",
+    "deliver_at",
+    "last_error",
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,10 @@ class Database:
         except Exception:
             raise ValueError(f"{url!r} is not a database URL (postgresql://user:password@host:5432/name)") from None
         if parsed.drivername.split("+")[0] not in POSTGRESQL_DRIVERS:
-            raise ValueError(f"{parsed.render_as_string(hide_password=True)}: the reconciliation reads PostgreSQL "
-                             f"databases (postgresql://...) through JDBC")
+            raise ValueError(
+                f"{parsed.render_as_string(hide_password=True)}: the reconciliation reads PostgreSQL "
+                f"databases (postgresql://...) through JDBC"
+            )
         if not parsed.database:
             raise ValueError(f"{parsed.render_as_string(hide_password=True)} names no database")
         query = "&".join(f"{k}={v}" for k, v in parsed.query.items() if isinstance(v, str))
@@ -64,8 +76,10 @@ def parse_databases(urls: list[str]) -> list[Database]:
     """Each URL once; databases of the same name on different servers are told apart by server."""
     found = list({db.jdbc_url: db for db in map(Database.parse, urls)}.values())
     names = [db.name for db in found]
-    return [db if names.count(db.name) == 1 else replace(db, name=db.jdbc_url.split("//", 1)[1].split("?")[0])
-            for db in found]
+    return [
+        db if names.count(db.name) == 1 else replace(db, name=db.jdbc_url.split("//", 1)[1].split("?")[0])
+        for db in found
+    ]
 
 
 def uuid7_floor(moment: datetime) -> str:
@@ -85,8 +99,9 @@ def _jdbc(spark: SparkSession, db: Database):
     return reader
 
 
-def read_outbox(spark: SparkSession, dbs: list[Database], since: datetime, until: datetime,
-                max_partitions: int) -> DataFrame:
+def read_outbox(
+    spark: SparkSession, dbs: list[Database], since: datetime, until: datetime, max_partitions: int
+) -> DataFrame:
     """The outbox rows whose message id was made in [since, until), from every database."""
     frames = [_read_one_outbox(spark, db, since, until, max_partitions) for db in dbs]
     out = frames[0]
@@ -95,21 +110,35 @@ def read_outbox(spark: SparkSession, dbs: list[Database], since: datetime, until
     return out
 
 
-def _read_one_outbox(spark: SparkSession, db: Database, since: datetime, until: datetime,
-                     max_partitions: int) -> DataFrame:
+def _read_one_outbox(
+    spark: SparkSession, db: Database, since: datetime, until: datetime, max_partitions: int
+) -> DataFrame:
     table = outbox_table.name
     in_range = f"message_id >= '{uuid7_floor(since)}' AND message_id < '{uuid7_floor(until)}'"
-    bounds = _jdbc(spark, db).option("query", (
-        f"SELECT (SELECT id FROM {table} WHERE {in_range} ORDER BY message_id LIMIT 1) AS first_id, "
-        f"(SELECT id FROM {table} WHERE {in_range} ORDER BY message_id DESC LIMIT 1) AS last_id")).load().first()
+    bounds = (
+        _jdbc(spark, db)
+        .option(
+            "query",
+            (
+                f"SELECT (SELECT id FROM {table} WHERE {in_range} ORDER BY message_id LIMIT 1) AS first_id, "
+                f"(SELECT id FROM {table} WHERE {in_range} ORDER BY message_id DESC LIMIT 1) AS last_id"
+            ),
+        )
+        .load()
+        .first()
+    )
     window = f"(SELECT {', '.join(OUTBOX_COLUMNS)} FROM {table} WHERE {in_range}) AS outbox_window"
     reader = _jdbc(spark, db).option("dbtable", window)
     if bounds is not None and bounds.first_id is not None:
         low, high = sorted((bounds.first_id, bounds.last_id))
         partitions = max(1, min(max_partitions, math.ceil((high - low + 1) / ROWS_PER_JDBC_PARTITION)))
         if partitions > 1:
-            reader = (reader.option("partitionColumn", "id").option("lowerBound", low)
-                      .option("upperBound", high + 1).option("numPartitions", partitions))
+            reader = (
+                reader.option("partitionColumn", "id")
+                .option("lowerBound", low)
+                .option("upperBound", high + 1)
+                .option("numPartitions", partitions)
+            )
     return reader.load().drop("id").withColumn("database", F.lit(db.name))
 
 
@@ -117,8 +146,10 @@ def read_consumed(spark: SparkSession, dbs: list[Database], since: datetime) -> 
     """Idempotency records made since `since`, from every database; None when none was given."""
     frames = []
     for db in dbs:
-        query = (f"(SELECT consumer_group, message_id, subject, consumed_at FROM {consumed_table.name} "
-                 f"WHERE consumed_at >= {_sql_time(since)}) AS consumed_window")
+        query = (
+            f"(SELECT consumer_group, message_id, subject, consumed_at FROM {consumed_table.name} "
+            f"WHERE consumed_at >= {_sql_time(since)}) AS consumed_window"
+        )
         frames.append(_jdbc(spark, db).option("dbtable", query).load().withColumn("database", F.lit(db.name)))
     if not frames:
         return None
@@ -130,8 +161,13 @@ def read_consumed(spark: SparkSession, dbs: list[Database], since: datetime) -> 
 
 # ---- the ledger ------------------------------------------------------------------------------------
 
-_SPARK_TYPES = {pa.string(): T.StringType(), pa.int32(): T.IntegerType(), pa.int64(): T.LongType(),
-                pa.bool_(): T.BooleanType(), lt.TS: T.TimestampType()}
+_SPARK_TYPES = {
+    pa.string(): T.StringType(),
+    pa.int32(): T.IntegerType(),
+    pa.int64(): T.LongType(),
+    pa.bool_(): T.BooleanType(),
+    lt.TS: T.TimestampType(),
+}
 
 
 def spark_schema(table: str) -> T.StructType:
@@ -153,8 +189,10 @@ def read_ledger_table(spark: SparkSession, ledger: Path, table: str, not_before:
         return spark.createDataFrame([], spark_schema(table))
     frame = spark.read.schema(spark_schema(table)).option("basePath", str(path)).parquet(str(path))
     if not_before is not None and table in lt.DATED:
-        frame = frame.where((F.col(lt.DATE) >= not_before.astimezone(UTC).strftime("%Y-%m-%d"))
-                            & (F.col(STORED_COLUMN[table]) >= F.lit(not_before)))
+        frame = frame.where(
+            (F.col(lt.DATE) >= not_before.astimezone(UTC).strftime("%Y-%m-%d"))
+            & (F.col(STORED_COLUMN[table]) >= F.lit(not_before))
+        )
     return frame
 
 

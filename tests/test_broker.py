@@ -40,7 +40,7 @@ def test_two_consumers_share_a_backlog_without_overlap(broker):
     conn = broker.connect()
     sent = ids("m", 10_000)
     for i in range(0, len(sent), 500):
-        assert send(conn, "orders", sent[i:i + 500])["stored"] == 500
+        assert send(conn, "orders", sent[i : i + 500])["stored"] == 500
     got: dict[str, list[str]] = {"a": [], "b": []}
 
     def run(c: RawConsumer) -> None:
@@ -60,11 +60,13 @@ def test_silent_consumer_loses_its_unacked_messages_to_the_group(processes, brok
     conn = broker.connect()
     send(conn, "orders", ids("m", 50))
     # A consumer process pulls 20 messages, never acks them, and is SIGKILLed.
-    script = ("import sys, json; sys.path.insert(0, sys.argv[1]);"
-              "from tests.support.broker import RawConsumer; from qmq.net.client import BlockingConnection;"
-              "c = RawConsumer(BlockingConnection.open('127.0.0.1', int(sys.argv[2])), 'orders', 'billing', 'doomed',"
-              " {'start': 'earliest'});"
-              "print(json.dumps([d.id for d in c.pull(20)]), flush=True); import time; time.sleep(600)")
+    script = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]);"
+        "from tests.support.broker import RawConsumer; from qmq.net.client import BlockingConnection;"
+        "c = RawConsumer(BlockingConnection.open('127.0.0.1', int(sys.argv[2])), 'orders', 'billing', 'doomed',"
+        " {'start': 'earliest'});"
+        "print(json.dumps([d.id for d in c.pull(20)]), flush=True); import time; time.sleep(600)"
+    )
     doomed = processes.start(["-c", script, str(ROOT), str(broker.port)], name="doomed", stdout=subprocess.PIPE)
     held = json.loads(doomed.stdout.readline())
     assert len(held) == 20
@@ -98,7 +100,7 @@ def test_seventy_groups_each_receive_every_message(broker):
     sent = ids("m", 300)
     groups = [consumer(broker, "orders", f"group-{n:02d}", f"c{n}", start="earliest") for n in range(70)]
     for i in range(0, 300, 100):
-        send(conn, "orders", sent[i:i + 100])
+        send(conn, "orders", sent[i : i + 100])
     for c in groups:
         assert [d.id for d in c.drain(300, wait_ms=200)] == sent, c.group
     stats = conn.request(RequestCode.BROKER_STATS, {})
@@ -140,8 +142,9 @@ def test_new_group_starts_at_latest_unless_asked_for_earliest_and_reset(broker):
     send(conn, "orders", ids("new", 3))
     assert [d.id for d in latest.drain(3, wait_ms=100)] == ids("new", 3)
     assert [d.id for d in earliest.drain(8, wait_ms=100)] == ids("old", 5) + ids("new", 3)
-    assert conn.request(RequestCode.BROKER_RESET, {"subject": "orders", "group": "late", "to": "earliest"}) == \
-        {"cursor": 0}
+    assert conn.request(RequestCode.BROKER_RESET, {"subject": "orders", "group": "late", "to": "earliest"}) == {
+        "cursor": 0
+    }
     assert [d.id for d in latest.drain(8, wait_ms=100)] == ids("old", 5) + ids("new", 3)
     assert conn.request(RequestCode.BROKER_RESET, {"subject": "orders", "group": "late", "to": 6})["cursor"] == 6
     assert [d.id for d in latest.drain(8, wait_ms=100)] == ids("new", 3)[1:]
@@ -317,7 +320,10 @@ def test_broker_sigkill_during_produce_and_consume(processes, tmp_path):
 
 def test_second_broker_on_a_locked_data_dir_exits_with_a_clear_error(processes, tmp_path):
     first = start_broker(processes, tmp_path / "b")
-    second = processes.start(["-m", "qmq", "broker", "--data-dir", str(first.data_dir), "--port", "0"],
-                             name="second", env={"PYTHONPATH": str(ROOT)})
+    second = processes.start(
+        ["-m", "qmq", "broker", "--data-dir", str(first.data_dir), "--port", "0"],
+        name="second",
+        env={"PYTHONPATH": str(ROOT)},
+    )
     assert second.wait(timeout=30) != 0
     assert "in use by another process" in Path(second.log_path).read_text()

@@ -15,6 +15,7 @@ def reader_over(end, keep=lambda seq: True):
                 seqs.append(seq)
             seq += 1
         return seqs, seq
+
     return read
 
 

@@ -36,8 +36,13 @@ EVERY_KIND: list[Entry] = [
 ]
 
 
-@pytest.mark.parametrize("entry", EVERY_KIND, ids=lambda e: type(e).__name__ + getattr(
-    getattr(e, "action", None), "__class__", type(None)).__name__.replace("NoneType", ""))
+@pytest.mark.parametrize(
+    "entry",
+    EVERY_KIND,
+    ids=lambda e: (
+        type(e).__name__ + getattr(getattr(e, "action", None), "__class__", type(None)).__name__.replace("NoneType", "")
+    ),
+)
 def test_every_entry_kind_round_trips_alone(entry: Entry) -> None:
     assert journal.decode(journal.encode([entry])) == [entry]
 
@@ -98,8 +103,17 @@ def test_an_unknown_entry_kind_is_a_value_error() -> None:
         msgpack.packb([{"kind": "P"}]),  # an entry that is a map, not a list
         msgpack.packb([{0: "A"}]),
     ],
-    ids=["bad-byte", "empty", "bad-run", "short-schedule", "short-ack", "not-a-list", "fired-not-a-list",
-         "entry-is-a-map", "entry-is-a-map-with-key-0"],
+    ids=[
+        "bad-byte",
+        "empty",
+        "bad-run",
+        "short-schedule",
+        "short-ack",
+        "not-a-list",
+        "fired-not-a-list",
+        "entry-is-a-map",
+        "entry-is-a-map-with-key-0",
+    ],
 )
 def test_a_record_this_version_cannot_read_is_a_value_error(payload: bytes) -> None:
     """decode() promises ValueError for any record it cannot read, so recovery can report it."""
@@ -207,6 +221,7 @@ class Simulation:
         def read(start: int, count: int) -> tuple[list[int], int]:
             seqs = list(range(start, min(end, start + count)))
             return seqs, max(start, seqs[-1] + 1 if seqs else start)
+
         return read
 
     def pull(self, group_key: str, consumer: str, count: int, restarted: bool, from_retry: bool) -> None:
@@ -256,8 +271,14 @@ class Simulation:
             self.commit([GroupAction(SUBJECT, group_key, Reset(cursor))], apply=True)
 
     def nack(self, group_key: str, offset: int, delay_ms: int, attempt: int) -> None:
-        schedule = Schedule(self.live.retries.next_id, int(self.now * 1000) + delay_ms, offset, attempt,
-                            retry_subject(SUBJECT, group_key), f"failed at {self.now}")
+        schedule = Schedule(
+            self.live.retries.next_id,
+            int(self.now * 1000) + delay_ms,
+            offset,
+            attempt,
+            retry_subject(SUBJECT, group_key),
+            f"failed at {self.now}",
+        )
         self.commit([schedule], apply=True)
 
     def fire(self, limit: int) -> None:
@@ -276,9 +297,12 @@ def view(state: BrokerState) -> dict:
     groups = {}
     for (stored, key), group in state.groups.items():
         groups[(stored, key)] = (
-            group.cursor, group.broadcast,
-            {cid: (c.pull_log.pull_seq, c.pull_log.ack_seq, c.pull_log.pending())
-             for cid, c in group.consumers.items()},
+            group.cursor,
+            group.broadcast,
+            {
+                cid: (c.pull_log.pull_seq, c.pull_log.ack_seq, c.pull_log.pending())
+                for cid, c in group.consumers.items()
+            },
         )
     return {
         "groups": groups,
@@ -291,12 +315,13 @@ def view(state: BrokerState) -> dict:
     }
 
 
-def replay(entries: list[Entry], state: BrokerState | None = None, *, record_size: int = 3,
-           now: float = 1000.0) -> BrokerState:
+def replay(
+    entries: list[Entry], state: BrokerState | None = None, *, record_size: int = 3, now: float = 1000.0
+) -> BrokerState:
     """Apply `entries` as recovery does: through the journal's encoding, a few entries per record."""
     state = state or BrokerState()
     for i in range(0, len(entries), record_size):
-        for entry in journal.decode(journal.encode(entries[i:i + record_size])):
+        for entry in journal.decode(journal.encode(entries[i : i + record_size])):
             state.apply(entry, now)
             state.journal_seq += 1
     return state
@@ -373,14 +398,23 @@ def test_the_retry_id_counter_survives_a_snapshot_even_when_every_retry_fired() 
 
 OPS = st.one_of(
     st.tuples(st.just("send"), st.integers(1, 12)),
-    st.tuples(st.just("pull"), st.sampled_from(GROUPS), st.sampled_from(CONSUMERS), st.integers(1, 8), st.booleans(),
-              st.booleans()),
+    st.tuples(
+        st.just("pull"),
+        st.sampled_from(GROUPS),
+        st.sampled_from(CONSUMERS),
+        st.integers(1, 8),
+        st.booleans(),
+        st.booleans(),
+    ),
     st.tuples(st.just("ack"), st.sampled_from(GROUPS), st.sampled_from(CONSUMERS), st.integers(1, 8), st.booleans()),
     st.tuples(st.just("tick"), st.integers(1, 40)),
-    st.tuples(st.just("release"),),
+    st.tuples(
+        st.just("release"),
+    ),
     st.tuples(st.just("reset"), st.sampled_from(GROUPS), st.integers(0, 100)),
-    st.tuples(st.just("nack"), st.sampled_from(GROUPS), st.integers(0, 10**6), st.integers(0, 30_000),
-              st.integers(1, 5)),
+    st.tuples(
+        st.just("nack"), st.sampled_from(GROUPS), st.integers(0, 10**6), st.integers(0, 30_000), st.integers(1, 5)
+    ),
     st.tuples(st.just("fire"), st.integers(1, 4)),
     st.tuples(st.just("redrive"), st.sampled_from(GROUPS), st.integers(0, 50)),
 )

@@ -67,24 +67,45 @@ def token_broker(tmp_path_factory):
 BAD_INPUT: dict[str, tuple[Callable[[str], bytes], int, ErrorCode]] = {
     "garbage": (lambda s: b"\x00\x00\x00\x05hello world", 0, ErrorCode.BAD_FRAME),
     "http": (lambda s: b"GET /metrics HTTP/1.1\r\nHost: qmq\r\n\r\n", 0, ErrorCode.FRAME_TOO_LARGE),
-    "oversized-frame": (lambda s: handshake() + LENGTH.pack(MAX_FRAME_BYTES + 1) + b"\x01\x00", 1,
-                        ErrorCode.FRAME_TOO_LARGE),
+    "oversized-frame": (
+        lambda s: handshake() + LENGTH.pack(MAX_FRAME_BYTES + 1) + b"\x01\x00",
+        1,
+        ErrorCode.FRAME_TOO_LARGE,
+    ),
     "unknown-request": (lambda s: handshake() + encode_frame(199, 2, {}), 1, ErrorCode.UNKNOWN_REQUEST),
     "wrong-token": (lambda s: handshake("wrong") + encode_frame(RequestCode.PING, 2, {}), 0, ErrorCode.UNAUTHORIZED),
-    "no-token": (lambda s: handshake(None) + encode_frame(RequestCode.BROKER_SEND, 2, {"messages": []}), 0,
-                 ErrorCode.UNAUTHORIZED),
-    "ack-never-served": (lambda s: handshake() + encode_frame(RequestCode.BROKER_ACK, 2,
-                                                              {"acks": [["s", "nogroup", "c", 0]]}),
-                         1, ErrorCode.UNKNOWN_CONSUMER),
-    "ack-unknown-consumer": (lambda s: handshake() + encode_frame(RequestCode.BROKER_ACK, 2,
-                                                                  {"acks": [[s, "g", "stranger", 0]]}),
-                             1, ErrorCode.UNKNOWN_CONSUMER),
-    "ack-beyond-pulled": (lambda s: handshake() + encode_frame(RequestCode.BROKER_ACK, 2,
-                                                               {"acks": [[s, "g", "bystander", 1000]]}),
-                          1, ErrorCode.UNKNOWN_CONSUMER),
-    "nack-never-served": (lambda s: handshake() + encode_frame(RequestCode.BROKER_NACK, 2, {"nacks": [
-        {"subject": s, "group": "nogroup", "consumer": "c", "pull_seq": 0, "delay_ms": 0}]}),
-        1, ErrorCode.UNKNOWN_CONSUMER),
+    "no-token": (
+        lambda s: handshake(None) + encode_frame(RequestCode.BROKER_SEND, 2, {"messages": []}),
+        0,
+        ErrorCode.UNAUTHORIZED,
+    ),
+    "ack-never-served": (
+        lambda s: handshake() + encode_frame(RequestCode.BROKER_ACK, 2, {"acks": [["s", "nogroup", "c", 0]]}),
+        1,
+        ErrorCode.UNKNOWN_CONSUMER,
+    ),
+    "ack-unknown-consumer": (
+        lambda s: handshake() + encode_frame(RequestCode.BROKER_ACK, 2, {"acks": [[s, "g", "stranger", 0]]}),
+        1,
+        ErrorCode.UNKNOWN_CONSUMER,
+    ),
+    "ack-beyond-pulled": (
+        lambda s: handshake() + encode_frame(RequestCode.BROKER_ACK, 2, {"acks": [[s, "g", "bystander", 1000]]}),
+        1,
+        ErrorCode.UNKNOWN_CONSUMER,
+    ),
+    "nack-never-served": (
+        lambda s: (
+            handshake()
+            + encode_frame(
+                RequestCode.BROKER_NACK,
+                2,
+                {"nacks": [{"subject": s, "group": "nogroup", "consumer": "c", "pull_seq": 0, "delay_ms": 0}]},
+            )
+        ),
+        1,
+        ErrorCode.UNKNOWN_CONSUMER,
+    ),
 }
 
 
@@ -151,9 +172,15 @@ def test_each_message_of_a_send_is_accepted_or_rejected_on_its_own(processes, tm
         assert reply["stored"] == 3
         rejected = {index: code for index, code, _ in reply["rejected"]}
         assert rejected == {
-            1: ErrorCode.BAD_SUBJECT, 2: ErrorCode.BAD_SUBJECT, 3: ErrorCode.MESSAGE_TOO_LARGE,
-            4: ErrorCode.BAD_REQUEST, 5: ErrorCode.BAD_SUBJECT, 6: ErrorCode.BAD_SUBJECT,
-            8: ErrorCode.BAD_REQUEST, 9: ErrorCode.BAD_REQUEST, 11: ErrorCode.BAD_REQUEST,
+            1: ErrorCode.BAD_SUBJECT,
+            2: ErrorCode.BAD_SUBJECT,
+            3: ErrorCode.MESSAGE_TOO_LARGE,
+            4: ErrorCode.BAD_REQUEST,
+            5: ErrorCode.BAD_SUBJECT,
+            6: ErrorCode.BAD_SUBJECT,
+            8: ErrorCode.BAD_REQUEST,
+            9: ErrorCode.BAD_REQUEST,
+            11: ErrorCode.BAD_REQUEST,
         }
         assert all(isinstance(message, str) and message for _, _, message in reply["rejected"])
         assert "bad tag!" in next(m for i, _, m in reply["rejected"] if i == 4)
@@ -162,7 +189,10 @@ def test_each_message_of_a_send_is_accepted_or_rejected_on_its_own(processes, tm
         assert [b["subject"] for b in got] == ["orders"]  # nothing reached %RETRY%orders%g
         (batch,) = got
         assert [(m["id"], m["key"], m["tags"], m["attempt"]) for m in batch["messages"]] == [
-            ("m0", "k0", ["t1", "t:2"], 1), ("m7", None, [], 1), ("m10", None, [], 1)]
+            ("m0", "k0", ["t1", "t:2"], 1),
+            ("m7", None, [], 1),
+            ("m10", None, [], 1),
+        ]
         assert batch["messages"][1]["payload"] == big
         stats = conn.request(RequestCode.BROKER_STATS)
         assert stats["subjects"] == {"orders": {"stored": 3}}
@@ -173,18 +203,22 @@ def test_a_message_with_a_subject_of_the_wrong_type_is_rejected_alone(processes,
     whole batch (the good message next to it must still be stored)."""
     broker = start_broker(processes, tmp_path / "b")
     with broker.connect() as conn:
-        reply = conn.request(RequestCode.BROKER_SEND, {"messages": [
-            {"id": "ok", "subject": "orders", "payload": b"x"},
-            {"id": "list", "subject": ["orders"], "payload": b"x"},
-            {"id": "map", "subject": {"a": 1}, "payload": b"x"},
-        ]})
+        reply = conn.request(
+            RequestCode.BROKER_SEND,
+            {
+                "messages": [
+                    {"id": "ok", "subject": "orders", "payload": b"x"},
+                    {"id": "list", "subject": ["orders"], "payload": b"x"},
+                    {"id": "map", "subject": {"a": 1}, "payload": b"x"},
+                ]
+            },
+        )
         assert reply["stored"] == 1
         rejected = [(i, code) for i, code, _ in reply["rejected"]]
         assert rejected == [(1, ErrorCode.BAD_SUBJECT), (2, ErrorCode.BAD_SUBJECT)]
 
 
-def test_an_ack_naming_its_consumer_with_a_list_is_a_bad_request_not_an_internal_error(processes,
-                                                                                         tmp_path) -> None:
+def test_an_ack_naming_its_consumer_with_a_list_is_a_bad_request_not_an_internal_error(processes, tmp_path) -> None:
     """docs/broker.md: a field of the wrong type is BAD_REQUEST (and the connection stays open)."""
     broker = start_broker(processes, tmp_path / "b")
     with broker.connect() as conn:
@@ -197,8 +231,9 @@ def test_an_ack_naming_its_consumer_with_a_list_is_a_bad_request_not_an_internal
         assert conn.request(RequestCode.PING, {"still": "open"}) == {"still": "open"}
 
 
-def test_a_heartbeat_naming_its_group_with_a_list_is_ignored_or_refused_not_an_internal_error(processes,
-                                                                                              tmp_path) -> None:
+def test_a_heartbeat_naming_its_group_with_a_list_is_ignored_or_refused_not_an_internal_error(
+    processes, tmp_path
+) -> None:
     """A malformed heartbeat item is a BAD_REQUEST (not INTERNAL), and the connection stays usable."""
     broker = start_broker(processes, tmp_path / "b")
     with broker.connect() as conn:
@@ -258,8 +293,7 @@ def test_registers_in_its_group_follows_the_read_only_flag_and_unregisters_at_si
         server = wait_until(listed, "the broker to register")
         assert (server["kind"], server["group"], server["unregistered_at"]) == ("broker", "g1", None)
         route = meta.request(RequestCode.META_ROUTE, {"subject": "orders", "create": True})
-        assert route["groups"] == [{"name": "g1", "addresses": [broker.address], "available": True,
-                                    "read_only": False}]
+        assert route["groups"] == [{"name": "g1", "addresses": [broker.address], "available": True, "read_only": False}]
         assert conn.request(RequestCode.BROKER_STATS)["group"] == "g1"
 
         consumer = RawConsumer(conn, "orders", "c", "c1")
@@ -268,8 +302,11 @@ def test_registers_in_its_group_follows_the_read_only_flag_and_unregisters_at_si
 
         assert meta.request(RequestCode.META_SET_READ_ONLY, {"group": "g1", "read_only": True})["changed"]
         # The broker learns the flag from the reply to its next heartbeat (at most 10 s away).
-        wait_until(lambda: conn.request(RequestCode.BROKER_STATS)["read_only"], "the broker to become read-only",
-                   HEARTBEAT_DEADLINE_S)
+        wait_until(
+            lambda: conn.request(RequestCode.BROKER_STATS)["read_only"],
+            "the broker to become read-only",
+            HEARTBEAT_DEADLINE_S,
+        )
         with pytest.raises(RemoteError) as refused:
             send(conn, "orders", ["ro"])
         assert refused.value.code == ErrorCode.READ_ONLY
@@ -414,15 +451,18 @@ def test_a_rejected_pull_leaves_nothing_unjournalled_behind(processes, tmp_path)
         c1.ack([first])
         # The retry task appends the message to %RETRY%orders%g as soon as it is due (at once); it then
         # counts in the group's backlog, which STATS shows without handing anything out.
-        wait_until(lambda: conn.request(RequestCode.BROKER_STATS)["groups"][0]["backlog"] == 1,
-                   "the retry to be appended to the retry subject")
+        wait_until(
+            lambda: conn.request(RequestCode.BROKER_STATS)["groups"][0]["backlog"] == 1,
+            "the retry to be appended to the retry subject",
+        )
         with pytest.raises(RemoteError) as refused:
             pull(conn, "orders", "g", "c1", pulled={"orders": "x"})
         assert refused.value.code == ErrorCode.BAD_REQUEST
         assert "pulled" in refused.value.message
         reply = pull(conn, "orders", "g", "c1")
         assert [(b["subject"], b["first_pull"], ids({"batches": [b]})) for b in reply["batches"]] == [
-            ("%RETRY%orders%g", 0, ["m0"])]
+            ("%RETRY%orders%g", 0, ["m0"])
+        ]
         conn.request(RequestCode.BROKER_ACK, {"acks": [["%RETRY%orders%g", "g", "c1", 0]]})
 
     processes.kill(broker.proc)  # SIGKILL, before the periodic snapshot (every 10 s)

@@ -45,8 +45,8 @@ def test_lookup_agrees_with_a_plain_list(batches, data):
         acked = data.draw(st.integers(-1, len(plain) - 1))
         if acked >= 0:
             log.ack(acked)
-        assert log.pending() == plain[acked + 1:]
+        assert log.pending() == plain[acked + 1 :]
         if acked + 1 < len(plain):
             a = data.draw(st.integers(acked + 1, len(plain) - 1))
             b = data.draw(st.integers(a, len(plain) - 1))
-            assert log.lookup(a, b) == plain[a:b + 1]
+            assert log.lookup(a, b) == plain[a : b + 1]

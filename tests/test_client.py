@@ -84,8 +84,10 @@ def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DRAIN
 def test_send_pull_ack_round_trip(client, brokers) -> None:
     subscription = client.subscribe("order.created", "billing")
     bodies = [{"n": i} if i % 3 == 0 else (f"text {i}" if i % 3 == 1 else bytes([i % 256]) * 3) for i in range(90)]
-    messages = [OutgoingMessage("order.created", body, key=f"k{i}", tags=["new"] if i % 2 else [],
-                                headers={"i": str(i)}) for i, body in enumerate(bodies)]
+    messages = [
+        OutgoingMessage("order.created", body, key=f"k{i}", tags=["new"] if i % 2 else [], headers={"i": str(i)})
+        for i, body in enumerate(bodies)
+    ]
     results = client.send(messages)
     assert [r.message_id for r in results] == [m.id for m in messages]
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
@@ -297,8 +299,9 @@ def test_async_client_round_trip_nack_and_failover(processes, brokers) -> None:
 
 def start_meta(processes, tmp_path) -> str:
     port = free_port()
-    proc = processes.start(["-m", "qmq", "meta", "--port", str(port), "--db", f"sqlite:///{tmp_path / 'meta.db'}"],
-                           name="meta", env=ENV)
+    proc = processes.start(
+        ["-m", "qmq", "meta", "--port", str(port), "--db", f"sqlite:///{tmp_path / 'meta.db'}"], name="meta", env=ENV
+    )
     wait_for_port(port, proc)
     return f"{HOST}:{port}"
 
@@ -312,8 +315,9 @@ def registered_groups(meta: str) -> set[str]:
 
 def test_with_a_meta_server_send_retries_on_the_other_group(processes, tmp_path) -> None:
     meta = start_meta(processes, tmp_path)
-    brokers = [start_broker(processes, tmp_path / name, "--meta", meta, "--group", name, name=name)
-               for name in ("ga", "gb")]
+    brokers = [
+        start_broker(processes, tmp_path / name, "--meta", meta, "--group", name, name=name) for name in ("ga", "gb")
+    ]
     wait_until(lambda: registered_groups(meta) == {"ga", "gb"}, "both brokers registered")
     with Client(meta=meta, client_id="meta-client") as client:
         subscription = client.subscribe("routed", "g")
@@ -346,10 +350,16 @@ def test_meta_server_unreachable_or_without_brokers(processes, tmp_path) -> None
 # ---- the command line --------------------------------------------------------------------------------
 
 
-def qmq(*args: str, input: bytes | None = None, env: dict | None = None,
-        timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qmq", *args], input=input, capture_output=True,
-                          env={**os.environ, **ENV, **(env or {})}, timeout=timeout)
+def qmq(
+    *args: str, input: bytes | None = None, env: dict | None = None, timeout: float = CLI_TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qmq", *args],
+        input=input,
+        capture_output=True,
+        env={**os.environ, **ENV, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def broker_args(brokers: list[Broker]) -> list[str]:
@@ -357,8 +367,20 @@ def broker_args(brokers: list[Broker]) -> list[str]:
 
 
 def test_cli_send_then_tail(brokers) -> None:
-    sent = qmq("send", "cli.subject", "hello", *broker_args(brokers), "--count", "5", "--tag", "t1",
-               "--key", "k", "--header", "h=v")
+    sent = qmq(
+        "send",
+        "cli.subject",
+        "hello",
+        *broker_args(brokers),
+        "--count",
+        "5",
+        "--tag",
+        "t1",
+        "--key",
+        "k",
+        "--header",
+        "h=v",
+    )
     assert sent.returncode == 0, sent.stderr.decode()
     ids = sent.stdout.decode().split()
     assert len(ids) == 5 and len(set(ids)) == 5
@@ -368,16 +390,21 @@ def test_cli_send_then_tail(brokers) -> None:
     for result in (json_sent, bytes_sent, stdin_sent):
         assert result.returncode == 0, result.stderr.decode()
 
-    tail = qmq("tail", "cli.subject", "--group", "cli", *broker_args(brokers), "--from", "earliest",
-               "--count", "8")
+    tail = qmq("tail", "cli.subject", "--group", "cli", *broker_args(brokers), "--from", "earliest", "--count", "8")
     assert tail.returncode == 0, tail.stderr.decode()
     lines = [json.loads(line) for line in tail.stdout.decode().splitlines()]
     by_id = {line["id"]: line for line in lines}
     assert len(lines) == 8 and set(ids) <= set(by_id)
     hello = by_id[ids[0]]
     assert {k: hello[k] for k in ("subject", "body", "content_type", "tags", "key", "headers", "attempts")} == {
-        "subject": "cli.subject", "body": "hello", "content_type": "text/plain; charset=utf-8", "tags": ["t1"],
-        "key": "k", "headers": {"h": "v"}, "attempts": 1}
+        "subject": "cli.subject",
+        "body": "hello",
+        "content_type": "text/plain; charset=utf-8",
+        "tags": ["t1"],
+        "key": "k",
+        "headers": {"h": "v"},
+        "attempts": 1,
+    }
     assert hello["created_at"].endswith("Z") and hello["stored_at"].endswith("Z")
     assert by_id[json_sent.stdout.decode().strip()]["body"] == {"a": [1, 2]}
     raw = by_id[bytes_sent.stdout.decode().strip()]
@@ -422,8 +449,9 @@ def test_cli_errors_are_named(processes, brokers, tmp_path) -> None:
     assert result.returncode != 0 and "no delay server is available" in result.stderr.decode()  # brokers only
     result = qmq("send", "s", "x", "--at", "2030-01-01T00:00:00Z", *broker_args(brokers))
     assert result.returncode != 0 and "delay server" in result.stderr.decode()
-    assert qmq("tail", "s", "--group", "g", "--from", "earliest", *broker_args(brokers),
-               "--timeout", "0.5").stdout == b""  # nothing was sent early
+    assert (
+        qmq("tail", "s", "--group", "g", "--from", "earliest", *broker_args(brokers), "--timeout", "0.5").stdout == b""
+    )  # nothing was sent early
 
     result = qmq("send", "s", *broker_args(brokers), "--size", str(MAX_MESSAGE_BYTES + 1))
     assert result.returncode != 0 and result.stdout == b""

@@ -136,13 +136,25 @@ B = "127.0.0.1:20882"
 
 def message(mid: str, body=b"x", *, attempt: int = 1, subject: str = "order.created", **extra) -> dict:
     payload = envelope.encode(body, headers={"h": "1"}, created_at=1_700_000_000_000)
-    return {"id": mid, "subject": subject, "payload": payload, "key": extra.get("key"),
-            "tags": extra.get("tags", []), "attempt": attempt, "stored_at": 1_700_000_000_500}
+    return {
+        "id": mid,
+        "subject": subject,
+        "payload": payload,
+        "key": extra.get("key"),
+        "tags": extra.get("tags", []),
+        "attempt": attempt,
+        "stored_at": 1_700_000_000_500,
+    }
 
 
 def batch(stored: str, first: int, ids: list[str], *, resent: bool = False, group: str = "billing") -> dict:
-    return {"subject": stored, "group": group, "first_pull": first, "resent": resent,
-            "messages": [message(i) for i in ids]}
+    return {
+        "subject": stored,
+        "group": group,
+        "first_pull": first,
+        "resent": resent,
+        "messages": [message(i) for i in ids],
+    }
 
 
 @pytest.fixture
@@ -152,8 +164,18 @@ def state() -> SubscriptionState:
 
 def test_pull_request_names_what_was_received(state: SubscriptionState) -> None:
     body = state.pull_request(A, 64, 2.5)
-    assert body == {"subject": "order.created", "group": "billing", "consumer": "c1", "max": 64, "wait_ms": 2500,
-                    "tags": ["new"], "match_all": False, "broadcast": False, "start": "latest", "pulled": {}}
+    assert body == {
+        "subject": "order.created",
+        "group": "billing",
+        "consumer": "c1",
+        "max": 64,
+        "wait_ms": 2500,
+        "tags": ["new"],
+        "match_all": False,
+        "broadcast": False,
+        "start": "latest",
+        "pulled": {},
+    }
     retry = "%RETRY%order.created%billing"
     state.accept(A, {"batches": [batch(retry, 0, ["r1"]), batch("order.created", 7, ["m1", "m2"])]})
     assert state.pull_request(A, 10, 0)["pulled"] == {retry: 0, "order.created": 8}
@@ -163,23 +185,38 @@ def test_pull_request_names_what_was_received(state: SubscriptionState) -> None:
 
 
 def test_accept_decodes_deliveries(state: SubscriptionState) -> None:
-    reply = {"batches": [{"subject": "order.created", "group": "billing", "first_pull": 3, "resent": False,
-                          "messages": [message("m1", {"id": 7}, key="7", tags=["new"])]}]}
+    reply = {
+        "batches": [
+            {
+                "subject": "order.created",
+                "group": "billing",
+                "first_pull": 3,
+                "resent": False,
+                "messages": [message("m1", {"id": 7}, key="7", tags=["new"])],
+            }
+        ]
+    }
     [d] = state.accept(A, reply)
     assert (d.id, d.subject, d.body, d.content_type) == ("m1", "order.created", {"id": 7}, envelope.JSON)
     assert d.headers == {"h": "1"} and d.tags == ("new",) and d.key == "7" and d.attempt == 1
     assert d.created_at == datetime(2023, 11, 14, 22, 13, 20, tzinfo=UTC)
     assert d.stored_at == datetime(2023, 11, 14, 22, 13, 20, 500000, tzinfo=UTC)
-    assert (d.broker, d.stored_subject, d.group_key, d.consumer, d.pull_seq) == (A, "order.created", "billing",
-                                                                                 "c1", 3)
+    assert (d.broker, d.stored_subject, d.group_key, d.consumer, d.pull_seq) == (A, "order.created", "billing", "c1", 3)
     assert not d.is_retry
 
 
 def test_foreign_payload_is_bytes(state: SubscriptionState) -> None:
     raw = msgpack.packb({"not": "an envelope"})
-    reply = {"batches": [{"subject": "order.created", "group": "billing", "first_pull": 0,
-                          "messages": [{"id": "x", "subject": "order.created", "payload": raw, "attempt": 1,
-                                        "stored_at": 1}]}]}
+    reply = {
+        "batches": [
+            {
+                "subject": "order.created",
+                "group": "billing",
+                "first_pull": 0,
+                "messages": [{"id": "x", "subject": "order.created", "payload": raw, "attempt": 1, "stored_at": 1}],
+            }
+        ]
+    }
     [d] = state.accept(A, reply)
     assert d.body == raw and d.content_type == envelope.BYTES and d.created_at is None
 
@@ -233,8 +270,12 @@ def test_reply_to_a_pull_made_before_a_drop_is_ignored(state: SubscriptionState)
     # acknowledge 0 with its first ack. The reply is dropped; the next pull gets 0 and 1 again.
     assert state.accept(A, {"batches": [batch("order.created", 1, ["m2"])]}, generation) == []
     assert state.pull_request(A, 10, 1)["pulled"] == {}
-    assert [d.id for d in state.accept(A, {"batches": [batch("order.created", 0, ["m1", "m2"], resent=True)]},
-                                       state.generation(A))] == ["m1", "m2"]
+    assert [
+        d.id
+        for d in state.accept(
+            A, {"batches": [batch("order.created", 0, ["m1", "m2"], resent=True)]}, state.generation(A)
+        )
+    ] == ["m1", "m2"]
 
 
 def test_broker_that_forgot_the_consumer_resets_the_tracker(state: SubscriptionState) -> None:
@@ -247,12 +288,25 @@ def test_broker_that_forgot_the_consumer_resets_the_tracker(state: SubscriptionS
 
 def test_nack_and_heartbeat_requests(state: SubscriptionState) -> None:
     retry = "%RETRY%order.created%billing"
-    [d] = state.accept(A, {"batches": [{"subject": retry, "group": "billing", "first_pull": 4,
-                                        "messages": [message("m1", attempt=2)]}]})
+    [d] = state.accept(
+        A,
+        {"batches": [{"subject": retry, "group": "billing", "first_pull": 4, "messages": [message("m1", attempt=2)]}]},
+    )
     assert d.is_retry and d.attempt == 2
-    assert state.nack_request(d, 1.5, reason="boom") == {"nacks": [{
-        "subject": retry, "group": "billing", "consumer": "c1", "pull_seq": 4, "attempt": 2, "delay_ms": 1500,
-        "dead": False, "reason": "boom"}]}
+    assert state.nack_request(d, 1.5, reason="boom") == {
+        "nacks": [
+            {
+                "subject": retry,
+                "group": "billing",
+                "consumer": "c1",
+                "pull_seq": 4,
+                "attempt": 2,
+                "delay_ms": 1500,
+                "dead": False,
+                "reason": "boom",
+            }
+        ]
+    }
     assert state.nack_request(d, 0, dead=True, max_attempts=3)["nacks"][0]["max_attempts"] == 3
     with pytest.raises(ValueError):
         state.nack_request(d, -1)
@@ -297,10 +351,13 @@ def messages(n: int, subject: str = "s") -> list[OutgoingMessage]:
 
 def test_wire_message_wraps_the_body_in_the_envelope() -> None:
     wire = wire_message("s", {"a": 1}, key="k", tags=["t"], headers={"h": "v"}, message_id="id-1", created_at=5)
-    assert {k: v for k, v in wire.items() if k != "payload"} == {"id": "id-1", "subject": "s", "key": "k",
-                                                                   "tags": ["t"]}
-    assert envelope.decode(wire["payload"]) == (
-        {"a": 1}, envelope.JSON, {"h": "v"}, 5, b'{"a":1}')
+    assert {k: v for k, v in wire.items() if k != "payload"} == {
+        "id": "id-1",
+        "subject": "s",
+        "key": "k",
+        "tags": ["t"],
+    }
+    assert envelope.decode(wire["payload"]) == ({"a": 1}, envelope.JSON, {"h": "v"}, 5, b'{"a":1}')
     with pytest.raises(InvalidMessage) as info:
         wire_message("%DEAD%s%g", b"")
     assert info.value.code == ErrorCode.BAD_SUBJECT
@@ -317,8 +374,10 @@ def test_send_job_merges_stored_and_rejected() -> None:
     [batch_] = job.plan({"s": route(G1)})
     assert batch_.group == "g1" and batch_.indices == [0, 1, 2, 3]
     assert [m["id"] for m in batch_.body["messages"]] == [m.id for m in job.messages]
-    job.on_reply(batch_, {"stored": 2, "rejected": [[1, ErrorCode.MESSAGE_TOO_LARGE, "too big"],
-                                                    [3, ErrorCode.BAD_REQUEST, "bad tag"]]})
+    job.on_reply(
+        batch_,
+        {"stored": 2, "rejected": [[1, ErrorCode.MESSAGE_TOO_LARGE, "too big"], [3, ErrorCode.BAD_REQUEST, "bad tag"]]},
+    )
     assert job.done
     results = job.results()
     assert [r.ok for r in results] == [True, False, True, False]
@@ -328,8 +387,9 @@ def test_send_job_merges_stored_and_rejected() -> None:
 
 
 def test_send_job_reports_invalid_messages_without_sending_them() -> None:
-    job = SendJob([OutgoingMessage("s", "ok"), OutgoingMessage("bad subject", "x"),
-                   OutgoingMessage("s", "x", tags=["a b"])])
+    job = SendJob(
+        [OutgoingMessage("s", "ok"), OutgoingMessage("bad subject", "x"), OutgoingMessage("s", "x", tags=["a b"])]
+    )
     [batch_] = job.plan({"s": route(G1)})
     assert batch_.indices == [0]
     job.on_reply(batch_, {"stored": 1, "rejected": []})
@@ -357,10 +417,16 @@ def test_send_job_retries_on_another_group_with_the_same_id() -> None:
     assert {results[i].group for i in failed.indices} == {"g2"}
 
 
-@pytest.mark.parametrize("error", [
-    RemoteError(ErrorCode.READ_ONLY, "read-only"), RemoteError(ErrorCode.UNAVAILABLE, "store"),
-    RemoteError(ErrorCode.TIMEOUT, "slow"), TimeoutError("no reply"), ConnectionRefusedError(111, "refused"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        RemoteError(ErrorCode.READ_ONLY, "read-only"),
+        RemoteError(ErrorCode.UNAVAILABLE, "store"),
+        RemoteError(ErrorCode.TIMEOUT, "slow"),
+        TimeoutError("no reply"),
+        ConnectionRefusedError(111, "refused"),
+    ],
+)
 def test_send_job_retriable_errors(error: BaseException) -> None:
     job = SendJob(messages(1))
     [b] = job.plan({"s": route(G1, G2)})
@@ -464,8 +530,10 @@ def test_routes_parse_cache_and_static() -> None:
     cache.put(route(subject="t"), now=0)  # no group: asked again soon
     assert cache.fresh("t", 0.5) is not None and cache.fresh("t", 1) is None
     static = static_route("s", ["127.0.0.1:1", "127.0.0.1:2"])
-    assert [(g.name, g.addresses) for g in static.writable_groups] == [("127.0.0.1:1", ("127.0.0.1:1",)),
-                                                                      ("127.0.0.1:2", ("127.0.0.1:2",))]
+    assert [(g.name, g.addresses) for g in static.writable_groups] == [
+        ("127.0.0.1:1", ("127.0.0.1:1",)),
+        ("127.0.0.1:2", ("127.0.0.1:2",)),
+    ]
     assert parse_address("localhost:20880") == ("localhost", 20880)
     assert parse_address("[::1]:5") == ("::1", 5)
     for bad in ("localhost", ":1", "h:0", "h:x", "h:70000"):

@@ -23,8 +23,9 @@ LONG_RUNNING = SERVICES - {"reconcile"}
 def config() -> dict:
     """The file as docker-compose resolves it (anchors, merges, defaults)."""
     assert shutil.which("docker-compose"), "docker-compose is missing: scripts/setup.sh installs Debian's package"
-    result = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config"], capture_output=True, text=True,
-                            cwd=ROOT, timeout=60)
+    result = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "config"], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
 

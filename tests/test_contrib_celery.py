@@ -34,11 +34,27 @@ def celery_app(redis_prefix, monkeypatch):
 @pytest.fixture
 def worker(processes, celery_app):
     proc = processes.start(
-        ["-m", "celery", "-A", "tests.apps.celery_app", "worker", "--pool", "solo", "--loglevel", "INFO",
-         "--without-heartbeat", "--without-mingle", "--without-gossip"],
+        [
+            "-m",
+            "celery",
+            "-A",
+            "tests.apps.celery_app",
+            "worker",
+            "--pool",
+            "solo",
+            "--loglevel",
+            "INFO",
+            "--without-heartbeat",
+            "--without-mingle",
+            "--without-gossip",
+        ],
         name="celery-worker",
-        env={"PYTHONPATH": str(ROOT), "QMQ_TEST_CELERY_PREFIX": os.environ["QMQ_TEST_CELERY_PREFIX"],
-             "QMQ_TEST_CELERY_QUEUE": os.environ["QMQ_TEST_CELERY_QUEUE"], "QMQ_META": ""},
+        env={
+            "PYTHONPATH": str(ROOT),
+            "QMQ_TEST_CELERY_PREFIX": os.environ["QMQ_TEST_CELERY_PREFIX"],
+            "QMQ_TEST_CELERY_QUEUE": os.environ["QMQ_TEST_CELERY_QUEUE"],
+            "QMQ_META": "",
+        },
     )
     wait_until(lambda: "ready" in log_text(proc), "the Celery worker is ready", deadline_s=60)
     return proc

@@ -32,10 +32,18 @@ def django_dbs(pg_url, tmp_path_factory):
         settings.configure(
             INSTALLED_APPS=["qmq.contrib.django"],
             DATABASES={
-                "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(sqlite_path),
-                            "OPTIONS": {"transaction_mode": "IMMEDIATE"}},  # as the guide says
-                "orders": {"ENGINE": "django.db.backends.postgresql", "NAME": pg.database, "USER": pg.username,
-                           "HOST": pg.host, "PORT": str(pg.port or 5432)},
+                "default": {
+                    "ENGINE": "django.db.backends.sqlite3",
+                    "NAME": str(sqlite_path),
+                    "OPTIONS": {"transaction_mode": "IMMEDIATE"},
+                },  # as the guide says
+                "orders": {
+                    "ENGINE": "django.db.backends.postgresql",
+                    "NAME": pg.database,
+                    "USER": pg.username,
+                    "HOST": pg.host,
+                    "PORT": str(pg.port or 5432),
+                },
             },
             USE_TZ=True,
         )
@@ -90,12 +98,16 @@ def test_the_migrations_make_the_same_table_as_alembic(django_dbs, alias, tmp_pa
     def shape(url: str) -> dict:
         engine = create_engine(url)
         inspector = sa.inspect(engine)
-        columns = {c["name"]: (str(c["type"]).split("(")[0], c["nullable"])
-                   for c in inspector.get_columns("qmq_outbox")}
+        columns = {
+            c["name"]: (str(c["type"]).split("(")[0], c["nullable"]) for c in inspector.get_columns("qmq_outbox")
+        }
         indexes = {i["name"]: tuple(i["column_names"]) for i in inspector.get_indexes("qmq_outbox")}
         with engine.connect() as conn:
-            options = conn.execute(sa.text("SELECT reloptions FROM pg_class WHERE relname = 'qmq_outbox'")).scalar() \
-                if engine.dialect.name == "postgresql" else None
+            options = (
+                conn.execute(sa.text("SELECT reloptions FROM pg_class WHERE relname = 'qmq_outbox'")).scalar()
+                if engine.dialect.name == "postgresql"
+                else None
+            )
         engine.dispose()
         return {"columns": columns, "indexes": indexes, "options": options}
 
@@ -110,8 +122,9 @@ def test_the_migrations_make_the_same_table_as_alembic(django_dbs, alias, tmp_pa
     assert set(shape(django_dbs[alias])["columns"]) == {c.name for c in outbox.columns}
 
 
-def test_commit_delivers_rollback_never_and_a_savepoint_drops_only_its_messages(producer, alias, engine,
-                                                                                 broker) -> None:
+def test_commit_delivers_rollback_never_and_a_savepoint_drops_only_its_messages(
+    producer, alias, engine, broker
+) -> None:
     @qmq.transactional(producer)
     def place_order(order_id: int, fail: bool = False) -> str:
         assert connections[alias].in_atomic_block  # the transaction is on the producer's alias

@@ -40,8 +40,9 @@ def send_spread(client: Client, subject: str, count: int, spread_s: float) -> di
     """`count` messages due at random times over the next `spread_s` seconds: id -> due ms."""
     start = now_ms() + 500
     rng = random.Random(subject)
-    messages = [OutgoingMessage(subject, f"n{i}", deliver_at=start + int(rng.random() * spread_s * 1000))
-                for i in range(count)]
+    messages = [
+        OutgoingMessage(subject, f"n{i}", deliver_at=start + int(rng.random() * spread_s * 1000)) for i in range(count)
+    ]
     results = client.send(messages)
     assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
     return {m.id: m.deliver_at for m in messages}
@@ -90,8 +91,13 @@ def test_2000_at_random_times_arrive_on_time_and_survive_a_sigkill(processes, tm
     twice = [i for i in recorded if len(crashed.received[i]) > 1]
     assert not twice, f"{len(twice)} messages the dispatch log recorded were delivered again"
 
-    verify = subprocess.run([sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(crashing.data_dir)],
-                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    verify = subprocess.run(
+        [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(crashing.data_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert f"{MESSAGES} scheduled" in verify.stdout
 
@@ -103,8 +109,9 @@ def test_400_days_ahead_limit_cancel_and_qmq_send(processes, tmp_path) -> None:
     start_broker(processes, tmp_path / "broker", "--meta", meta, "--group", "g1")
     delay = start_delay_server(processes, tmp_path / "delay", "--meta", meta, "--clock-file", str(clock_file))
     client = Client(meta=meta)
-    wait_until(lambda: client.route("trip.reminder", refresh=True).delay_route.writable_groups,
-               "the delay server registered")
+    wait_until(
+        lambda: client.route("trip.reminder", refresh=True).delay_route.writable_groups, "the delay server registered"
+    )
     arrivals = Arrivals(client, "trip.reminder")
     try:
         far = now_ms() + 400 * DAY_MS
@@ -123,9 +130,14 @@ def test_400_days_ahead_limit_cancel_and_qmq_send(processes, tmp_path) -> None:
         assert (delay.data_dir / "schedule" / f"{bucket}.log").exists()
 
         assert client.cancel([dropped.id, "no-such-id"]) == {dropped.id: "cancelled", "no-such-id": "unknown"}
-        sent = subprocess.run([sys.executable, "-m", "qmq", "send", "trip.reminder", "from the cli", "--delay", "1",
-                               "--meta", meta], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        sent = subprocess.run(
+            [sys.executable, "-m", "qmq", "send", "trip.reminder", "from the cli", "--delay", "1", "--meta", meta],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert sent.returncode == 0, sent.stderr
         cli_id = sent.stdout.strip()
 
@@ -148,8 +160,13 @@ def test_400_days_ahead_limit_cancel_and_qmq_send(processes, tmp_path) -> None:
     assert dropped.id not in arrivals.received
     assert arrivals.bodies[far_msg.id] == "in 400 days"
 
-    dump = subprocess.run([sys.executable, "-m", "qmq", "log", "dump", "--data-dir", str(delay.data_dir), "--schedule"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    dump = subprocess.run(
+        [sys.executable, "-m", "qmq", "log", "dump", "--data-dir", str(delay.data_dir), "--schedule"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert dump.returncode == 0, dump.stderr
     far_copy = [json.loads(line) for line in dump.stdout.splitlines() if far_msg.id in line]
     assert len(far_copy) == 1 and far_copy[0]["bucket"] == bucket
@@ -159,8 +176,9 @@ def test_400_days_ahead_limit_cancel_and_qmq_send(processes, tmp_path) -> None:
 def test_broker_down_when_messages_come_due_then_metrics_and_sigterm(processes, tmp_path) -> None:
     broker = start_broker(processes, tmp_path / "broker")
     metrics_port = free_port()
-    delay = start_delay_server(processes, tmp_path / "delay", "--broker", broker.address, "--metrics-port",
-                               str(metrics_port))
+    delay = start_delay_server(
+        processes, tmp_path / "delay", "--broker", broker.address, "--metrics-port", str(metrics_port)
+    )
     with Client(brokers=[broker.address], delay_servers=[delay.address]) as client:
         due = send_spread(client, "delay.outage", 50, 1.0)
     processes.kill(broker.proc)

@@ -11,9 +11,14 @@ from tests.support.broker import ROOT
 
 
 def test_the_demo_accounts_for_every_message(tmp_path) -> None:
-    result = subprocess.run([sys.executable, "-m", "qmq", "demo", "--orders", "30"], capture_output=True, text=True,
-                            timeout=300, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                                                        "QMQ_PG_ADMIN_URL": PG_ADMIN_URL, "HOME": str(tmp_path)})
+    result = subprocess.run(
+        [sys.executable, "-m", "qmq", "demo", "--orders", "30"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "QMQ_PG_ADMIN_URL": PG_ADMIN_URL, "HOME": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "every committed message is accounted for" in result.stdout
     assert "not shipped                              0" in result.stdout

@@ -16,11 +16,26 @@ from tests.test_meta import log_text, wait_until
 
 
 def test_the_dev_cluster_serves_and_stops_on_ctrl_c(processes, tmp_path) -> None:
-    dev = processes.start(["-m", "qmq", "dev", "--data-dir", str(tmp_path / "dev"), "--meta-port", "0",
-                           "--broker-port", "0", "--delay-port", "0"], name="dev",
-                          env={"PYTHONPATH": str(ROOT), "QMQ_DB_URL": "", "QMQ_META": ""})
-    text = wait_until(lambda: "Ctrl-C stops everything" in log_text(dev) and log_text(dev), "the cluster is up",
-                      deadline_s=60)
+    dev = processes.start(
+        [
+            "-m",
+            "qmq",
+            "dev",
+            "--data-dir",
+            str(tmp_path / "dev"),
+            "--meta-port",
+            "0",
+            "--broker-port",
+            "0",
+            "--delay-port",
+            "0",
+        ],
+        name="dev",
+        env={"PYTHONPATH": str(ROOT), "QMQ_DB_URL": "", "QMQ_META": ""},
+    )
+    text = wait_until(
+        lambda: "Ctrl-C stops everything" in log_text(dev) and log_text(dev), "the cluster is up", deadline_s=60
+    )
     meta = re.search(r"QMQ_META=(\S+)", text).group(1)
     outbox_url = re.search(r"QMQ_DB_URL=(\S+)", text).group(1)
     children = subprocess.run(["pgrep", "-P", str(dev.pid)], capture_output=True, text=True).stdout.split()

@@ -31,8 +31,14 @@ DECLINE_EVERY = 7  # payment declined: rolled back, no message may exist
 REMIND_EVERY = 5  # also a reminder, delayed by REMIND_AFTER_S
 REMIND_AFTER_S = 2.0
 # (orders placed, what happens then)
-FAULTS = {40: "kill broker a", 80: "restart broker a", 110: "kill worker 1", 150: "restart worker 1",
-          170: "kill relay", 200: "restart relay"}
+FAULTS = {
+    40: "kill broker a",
+    80: "restart broker a",
+    110: "kill worker 1",
+    150: "restart worker 1",
+    170: "kill relay",
+    200: "restart relay",
+}
 SETTLE_DEADLINE_S = 120.0
 
 
@@ -78,8 +84,9 @@ def test_every_committed_message_is_delivered_through_the_faults(processes, tmp_
     started = datetime.now(UTC) - timedelta(seconds=5)
     _, meta_port = start_meta(processes, f"sqlite:///{tmp_path / 'meta.sqlite3'}")
     meta = f"127.0.0.1:{meta_port}"
-    brokers = {g: start_broker(processes, tmp_path / g, "--meta", meta, "--group", g, name=f"broker-{g}")
-               for g in ("a", "b")}
+    brokers = {
+        g: start_broker(processes, tmp_path / g, "--meta", meta, "--group", g, name=f"broker-{g}") for g in ("a", "b")
+    }
     delay = start_delay_server(processes, tmp_path / "delay", "--meta", meta)
     env = {"PYTHONPATH": str(ROOT), "QMQ_META": meta, "QMQ_DB_URL": db_url, "QMQ_TOKEN": ""}
     relay_argv = relay_args(db_url, meta=meta, lease=3)
@@ -122,8 +129,11 @@ def test_every_committed_message_is_delivered_through_the_faults(processes, tmp_
             remind = sorted(conn.execute(sa.select(reminders.c.order_id)).scalars())
         return billed, remind
 
-    wait_for(lambda: effects() == (committed, reminded), "every committed order billed once and reminded once",
-             SETTLE_DEADLINE_S)
+    wait_for(
+        lambda: effects() == (committed, reminded),
+        "every committed order billed once and reminded once",
+        SETTLE_DEADLINE_S,
+    )
     for proc in workers:  # warm shutdown: their last acknowledgements reach the brokers
         assert processes.kill(proc, signal.SIGTERM) == 0
     for proc in (relay, delay.proc, brokers["a"].proc, brokers["b"].proc):
@@ -133,8 +143,16 @@ def test_every_committed_message_is_delivered_through_the_faults(processes, tmp_
 
     export_all([tmp_path / "a", tmp_path / "b", tmp_path / "delay"], tmp_path / "ledger")
     out = tmp_path / "reconciliation"
-    reconcile(spark, out, [db_url], tmp_path / "ledger", started, datetime.now(UTC) + timedelta(seconds=1),
-              consumed_dbs=[db_url], grace=timedelta(0))
+    reconcile(
+        spark,
+        out,
+        [db_url],
+        tmp_path / "ledger",
+        started,
+        datetime.now(UTC) + timedelta(seconds=1),
+        consumed_dbs=[db_url],
+        grace=timedelta(0),
+    )
     summary = json.loads((out / "summary.json").read_text())
     expected = len(committed) + len(reminded)
     assert summary["total"] == expected

@@ -26,8 +26,7 @@ from tests.test_meta import wait_until
 
 
 def payload(created_ms: int | None = None, producer: str | None = None) -> bytes:
-    return envelope.encode({"n": 1}, created_at=created_ms,
-                           headers={t.PRODUCER_HEADER: producer} if producer else None)
+    return envelope.encode({"n": 1}, created_at=created_ms, headers={t.PRODUCER_HEADER: producer} if producer else None)
 
 
 @pytest.fixture
@@ -56,7 +55,8 @@ def test_what_each_consumer_did_is_in_the_ledger_of_a_live_broker(processes, tmp
         billing.ack([again])
         # The dead letter is sent back, delivered again and acknowledged.
         assert conn.request(RequestCode.BROKER_DEAD_REDRIVE, {"subject": "orders", "group": "billing"}) == {
-            "redriven": 1}
+            "redriven": 1
+        }
         [redriven] = wait_until(lambda: billing.pull(8, 500), "the re-driven message")
         assert redriven.id == doomed
         billing.ack([redriven])
@@ -81,7 +81,11 @@ def test_what_each_consumer_did_is_in_the_ledger_of_a_live_broker(processes, tmp
     deliveries = by_id(ledger[t.DELIVERIES], "message_id", "group")
     billing_rows = {m: deliveries[(m, "billing")] for m in ids}
     assert {m: (r["status"], r["times_delivered"]) for m, r in billing_rows.items()} == {
-        ok: (t.ACKED, 1), retried: (t.ACKED, 2), doomed: (t.ACKED, 2), unacked: (t.IN_FLIGHT, 1)}
+        ok: (t.ACKED, 1),
+        retried: (t.ACKED, 2),
+        doomed: (t.ACKED, 2),
+        unacked: (t.IN_FLIGHT, 1),
+    }
     assert billing_rows[retried]["attempts"] == 2
     assert billing_rows[doomed]["dead_lettered_at"] is not None and not billing_rows[doomed]["dead_lettered"]
     assert billing_rows[unacked]["acked_at"] is None and billing_rows[ok]["acked_at"] is not None
@@ -118,8 +122,12 @@ def test_silent_consumer_dead_letter_retry_pending_and_days(processes, tmp_path)
     first = read_ledger(out)
     rows = {r["message_id"]: r for r in first[t.DELIVERIES]}
     assert {m: (r["status"], r["times_delivered"]) for m, r in rows.items()} == {
-        silent[0]: (t.ACKED, 2), silent[1]: (t.ACKED, 2), dead: (t.DEAD_LETTERED, 1), later: (t.RETRYING, 1),
-        fine: (t.ACKED, 1)}
+        silent[0]: (t.ACKED, 2),
+        silent[1]: (t.ACKED, 2),
+        dead: (t.DEAD_LETTERED, 1),
+        later: (t.RETRYING, 1),
+        fine: (t.ACKED, 1),
+    }
     assert rows[dead]["dead_lettered"] and rows[dead]["dead_lettered_at"] is not None
     today = datetime.now(UTC).strftime("%Y-%m-%d")
     assert {r["date"] for r in first[t.MESSAGES]} == {today}
@@ -140,22 +148,60 @@ def test_two_stores_into_one_ledger_and_the_command_line(processes, broker, tmp_
             send(conn, "ship", ids[b.data_dir.name], payload=payload())
     out = tmp_path / "ledger"
     for b in (broker, b2):
-        result = subprocess.run([sys.executable, "-m", "qmq", "ledger", "export", "--data-dir", str(b.data_dir),
-                                 "--out", str(out), "--since", "yesterday"], capture_output=True, text=True,
-                                cwd=ROOT, timeout=60)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "qmq",
+                "ledger",
+                "export",
+                "--data-dir",
+                str(b.data_dir),
+                "--out",
+                str(out),
+                "--since",
+                "yesterday",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
         assert result.returncode == 0, result.stderr
         summary = json.loads(result.stdout)
         assert summary["name"] == b.data_dir.name and summary["rows"][t.MESSAGES] == 2
     ledger = read_ledger(out)
     assert sorted((r["broker"], r["message_id"]) for r in ledger[t.MESSAGES]) == sorted(
-        (name, m) for name, ms in ids.items() for m in ms)
+        (name, m) for name, ms in ids.items() for m in ms
+    )
 
-    bad = subprocess.run([sys.executable, "-m", "qmq", "ledger", "export", "--data-dir", str(tmp_path),
-                          "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "qmq", "ledger", "export", "--data-dir", str(tmp_path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "is not a qmq store" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "qmq", "ledger", "export", "--data-dir", str(b2.data_dir),
-                          "--out", str(out), "--since", "last tuesday"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qmq",
+            "ledger",
+            "export",
+            "--data-dir",
+            str(b2.data_dir),
+            "--out",
+            str(out),
+            "--since",
+            "last tuesday",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "is not a time" in bad.stderr
 
 
@@ -169,8 +215,10 @@ def test_a_delay_servers_ledger(processes, broker, tmp_path) -> None:
         assert all(r.ok for r in client.send([soon, later, dropped]))
         assert client.cancel([dropped.id]) == {dropped.id: "cancelled"}
     with broker.connect() as conn:
-        arrived = wait_until(lambda: RawConsumer(conn, "remind", "g", "c", {"start": "earliest"}).pull(1, 500),
-                             "the message due soon reached the broker")
+        arrived = wait_until(
+            lambda: RawConsumer(conn, "remind", "g", "c", {"start": "earliest"}).pull(1, 500),
+            "the message due soon reached the broker",
+        )
     assert [d.id for d in arrived] == [soon.id]
     wait_until(lambda: soon.id in dispatched_ids(server.data_dir), "the dispatch is on disk")
 
@@ -178,7 +226,10 @@ def test_a_delay_servers_ledger(processes, broker, tmp_path) -> None:
     rows = {r["message_id"]: r for r in read_ledger(tmp_path / "ledger")[t.DELAYED]}
     assert set(rows) == {soon.id, later.id, dropped.id}
     assert {m: (r["dispatched"], r["cancelled"]) for m, r in rows.items()} == {
-        soon.id: (True, False), later.id: (False, False), dropped.id: (False, True)}
+        soon.id: (True, False),
+        later.id: (False, False),
+        dropped.id: (False, True),
+    }
     assert rows[later.id]["due_at"] == datetime.fromtimestamp(later.deliver_at / 1000, UTC)
     assert rows[soon.id]["server"] == "d1"
 
@@ -212,11 +263,22 @@ def test_a_day_partly_removed_by_retention_keeps_its_earlier_export(tmp_path) ->
     store = LogStore(tmp_path / "store", SMALL)  # 64 KiB segments
     ids = [new_id() for _ in range(200)]
     for i in range(0, 200, 20):
-        store.append([Message("orders", m, payload() + bytes(1000)) for m in ids[i:i + 20]])
-    store.append([Message(ACTION_SUBJECT, "%a0", journal.encode([
-        journal.Create("orders", "g", 0, False),
-        journal.GroupAction("orders", "g", Pull("c", 0, tuple(range(200)), 200)),
-        journal.GroupAction("orders", "g", Ack("c", 199))]))])
+        store.append([Message("orders", m, payload() + bytes(1000)) for m in ids[i : i + 20]])
+    store.append(
+        [
+            Message(
+                ACTION_SUBJECT,
+                "%a0",
+                journal.encode(
+                    [
+                        journal.Create("orders", "g", 0, False),
+                        journal.GroupAction("orders", "g", Pull("c", 0, tuple(range(200)), 200)),
+                        journal.GroupAction("orders", "g", Ack("c", 199)),
+                    ]
+                ),
+            )
+        ]
+    )
     store.close()
     out = tmp_path / "ledger"
     export(tmp_path / "store", out, name="b")

@@ -43,8 +43,14 @@ def connect(port: int, token: str | None = "") -> BlockingConnection:
     return BlockingConnection.open(HOST, port, client_id="meta-test", token=token)
 
 
-def register(conn: BlockingConnection, address: str, group: str | None = None, *, kind: str = "broker",
-             code: int = RequestCode.META_HEARTBEAT) -> dict[str, Any]:
+def register(
+    conn: BlockingConnection,
+    address: str,
+    group: str | None = None,
+    *,
+    kind: str = "broker",
+    code: int = RequestCode.META_HEARTBEAT,
+) -> dict[str, Any]:
     body: dict[str, Any] = {"kind": kind, "address": address}
     if group is not None:
         body["group"] = group
@@ -110,7 +116,9 @@ def test_routes_least_loaded_first_read_only_and_delay_servers(processes, sqlite
         assert route(conn, "never.produced", create=False)["groups"] == []
 
         assert conn.request(RequestCode.META_SET_READ_ONLY, {"group": "g2", "read_only": True}) == {
-            "group": "g2", "read_only": True, "changed": True,
+            "group": "g2",
+            "read_only": True,
+            "changed": True,
         }
         assert register(conn, "127.0.0.1:30002", "g2")["read_only"] is True  # brokers learn it by heartbeat
         assert group_names(route(conn, "order.shipped", create=True)) == ["g3", "g1"]  # g2 is skipped
@@ -123,8 +131,10 @@ def test_routes_least_loaded_first_read_only_and_delay_servers(processes, sqlite
         listing = conn.request(RequestCode.META_LIST)
         assert {g["name"]: g["subjects"] for g in listing["groups"]} == {"g1": 3, "g2": 1, "g3": 3}
         assert {s["address"]: s["kind"] for s in listing["servers"]} == {
-            "127.0.0.1:20890": "delay", "127.0.0.1:30001": "broker",
-            "127.0.0.1:30002": "broker", "127.0.0.1:30003": "broker",
+            "127.0.0.1:20890": "delay",
+            "127.0.0.1:30001": "broker",
+            "127.0.0.1:30002": "broker",
+            "127.0.0.1:30003": "broker",
         }
         assert {r["subject"] for r in listing["routes"]} == {"order.created", "order.paid", "order.shipped"}
 

@@ -29,7 +29,11 @@ COMMAND_TIMEOUT_S = 120
 def qmq_db(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "qmq", "db", *args],
-        capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, cwd=ROOT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+        cwd=ROOT,
+        env=env,
     )
 
 
@@ -66,9 +70,11 @@ def test_upgrade_creates_tables_once_and_leaves_the_host_alone(db_url) -> None:
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["host_rev_7"]
             assert qmq_version(conn) == [head_revision()]
-            conn.execute(schema.group.insert().values(
-                name="g1", read_only=False, created_at=sa.func.now(), updated_at=sa.func.now()
-            ))
+            conn.execute(
+                schema.group.insert().values(
+                    name="g1", read_only=False, created_at=sa.func.now(), updated_at=sa.func.now()
+                )
+            )
             conn.commit()
 
         second = qmq_db("upgrade", "--db", db_url)

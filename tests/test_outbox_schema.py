@@ -22,8 +22,13 @@ def engine(request, tmp_path):
 
 
 def row(message_id: str, **values) -> dict:
-    return {"message_id": message_id, "subject": "order.created", "body": b"{}",
-            "content_type": "application/json", **values}
+    return {
+        "message_id": message_id,
+        "subject": "order.created",
+        "body": b"{}",
+        "content_type": "application/json",
+        **values,
+    }
 
 
 def test_a_new_row_is_pending_with_database_times(engine) -> None:

@@ -22,8 +22,9 @@ from tests.support.delay import start_delay_server
 from tests.support.outbox import committed_ids, consume, outbox_rows, states
 from tests.support.processes import free_port
 
-orders = sa.Table("orders", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True),
-                  sa.Column("item", sa.String(50)))
+orders = sa.Table(
+    "orders", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True), sa.Column("item", sa.String(50))
+)
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -64,8 +65,9 @@ def test_commit_delivers_and_rollback_never_does(producer, engine, broker) -> No
     @qmq.transactional(producer)
     def place_order(session: Session, order_id: int, fail: bool = False) -> str:
         session.execute(orders.insert().values(id=order_id, item="book"))
-        message_id = producer.send("order.created", {"id": order_id}, key=str(order_id), tags=["new"],
-                                   headers={"trace": f"t{order_id}"})
+        message_id = producer.send(
+            "order.created", {"id": order_id}, key=str(order_id), tags=["new"], headers={"trace": f"t{order_id}"}
+        )
         if fail:
             raise RuntimeError("payment declined")
         return message_id

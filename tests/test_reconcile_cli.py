@@ -58,13 +58,36 @@ def test_spark_submit_finds_a_rolled_back_message_critical(processes, tmp_path, 
 
     out = tmp_path / "out"
     result = subprocess.run(
-        [str(SPARK_SUBMIT), "--master", "local[1]", "--driver-memory", "1g", "--conf", "spark.ui.enabled=false",
-         "--jars", str(jdbc_jar()), "spark_etl/reconcile.py",
-         "--outbox-db", db_url, "--ledger", str(tmp_path / "ledger"), "--out", str(out),
-         "--since", started.isoformat(), "--until", (datetime.now(UTC) + timedelta(minutes=1)).isoformat(),
-         "--grace", "0s"],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-        env={**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable})
+        [
+            str(SPARK_SUBMIT),
+            "--master",
+            "local[1]",
+            "--driver-memory",
+            "1g",
+            "--conf",
+            "spark.ui.enabled=false",
+            "--jars",
+            str(jdbc_jar()),
+            "spark_etl/reconcile.py",
+            "--outbox-db",
+            db_url,
+            "--ledger",
+            str(tmp_path / "ledger"),
+            "--out",
+            str(out),
+            "--since",
+            started.isoformat(),
+            "--until",
+            (datetime.now(UTC) + timedelta(minutes=1)).isoformat(),
+            "--grace",
+            "0s",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable},
+    )
     assert result.returncode == 4, "\n".join(line for line in result.stderr.splitlines() if " INFO " not in line)
     # spark-submit hands the driver's stderr to its stdout too: the summary is the JSON line
     printed = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
@@ -75,8 +98,14 @@ def test_spark_submit_finds_a_rolled_back_message_critical(processes, tmp_path, 
 
 
 def qmq_reconcile(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qmq", "reconcile", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "qmq", "reconcile", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_command_line_errors_come_before_spark(tmp_path) -> None:

@@ -59,19 +59,30 @@ def test_lost_rows_and_dead_letters_are_driven_again(processes, tmp_path, db_url
 
     export_all([broker.data_dir], tmp_path / "ledger")
     first = tmp_path / "night-1"
-    findings = reconcile(spark, first, [db_url], tmp_path / "ledger", started, datetime.now(UTC),
-                         grace=timedelta(0), redrive=True, redrive_dead=True, brokers=[broker.address])
+    findings = reconcile(
+        spark,
+        first,
+        [db_url],
+        tmp_path / "ledger",
+        started,
+        datetime.now(UTC),
+        grace=timedelta(0),
+        redrive=True,
+        redrive_dead=True,
+        brokers=[broker.address],
+    )
     assert classes_of(first) == {**{m: c.NOT_SHIPPED for m in lost}, doomed: c.DEAD_LETTERED}
     assert findings.redrive is not None
     assert findings.redrive.outbox == {db_url.rsplit("/", 1)[1]: 3}
-    assert findings.redrive.dead == [{"broker": broker.address, "subject": "orders", "group": "billing",
-                                      "redriven": 1}]
+    assert findings.redrive.dead == [{"broker": broker.address, "subject": "orders", "group": "billing", "redriven": 1}]
     assert read_summary(first)["redrive"]["outbox"] == findings.redrive.outbox
     report = (first / "report.md").read_text()
     assert "3 outbox rows of" in report and "1 dead letters re-driven" in report
     with engine.connect() as conn:
-        rows = conn.execute(sa.text("SELECT state, sent_at, next_attempt_at <= now() FROM qmq_outbox "
-                                    "WHERE message_id = ANY(:ids)"), {"ids": lost}).all()
+        rows = conn.execute(
+            sa.text("SELECT state, sent_at, next_attempt_at <= now() FROM qmq_outbox WHERE message_id = ANY(:ids)"),
+            {"ids": lost},
+        ).all()
     assert rows == [("pending", None, True)] * 3
 
     # A relay ships them again; the group takes back its dead letter and acknowledges everything.
@@ -85,7 +96,6 @@ def test_lost_rows_and_dead_letters_are_driven_again(processes, tmp_path, db_url
 
     export_all([broker.data_dir], tmp_path / "ledger")
     second = tmp_path / "night-2"
-    findings = reconcile(spark, second, [db_url], tmp_path / "ledger", started, datetime.now(UTC),
-                         grace=timedelta(0))
+    findings = reconcile(spark, second, [db_url], tmp_path / "ledger", started, datetime.now(UTC), grace=timedelta(0))
     assert classes_of(second) == {doomed: c.REDELIVERED}  # received twice: before its dead letter, and after
     assert read_summary(second)["delivered"] == 3 and findings.exit_code == 0

@@ -62,16 +62,24 @@ def start_relay(processes, db_url: str, brokers) -> object:
     args = ["-m", "qmq", "relay", "--db", db_url, "--poll-interval", "0.2", "--lease", "5"]
     for broker in brokers:
         args += ["--broker", broker.address]
-    return processes.start(args, name="relay", env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": "",
-                                                    "QMQ_DB_URL": ""})
+    return processes.start(
+        args, name="relay", env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": "", "QMQ_DB_URL": ""}
+    )
 
 
 def test_the_report_names_exactly_the_faults(processes, tmp_path, db_url, spark) -> None:  # noqa: F811
     started = datetime.now(UTC)
     brokers = [start_broker(processes, tmp_path / name, name=name) for name in ("b1", "b2")]
     relay = start_relay(processes, db_url, brokers)
-    worker = start_worker(processes, brokers, db_url, "-c", "4", name="worker",
-                          env={"QMQ_TEST_IDEMPOTENT": "sql", "QMQ_TEST_MAX_RETRIES": "1"})
+    worker = start_worker(
+        processes,
+        brokers,
+        db_url,
+        "-c",
+        "4",
+        name="worker",
+        env={"QMQ_TEST_IDEMPOTENT": "sql", "QMQ_TEST_MAX_RETRIES": "1"},
+    )
     engine = create_engine(db_url)
     producer = qmq.Producer(brokers=[b.address for b in brokers], engine=engine)
 
@@ -117,8 +125,13 @@ def test_the_report_names_exactly_the_faults(processes, tmp_path, db_url, spark)
     # The duplicate: its row's "sent" is lost (as when the database goes away right after a send), so
     # the relay ships it again.
     with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE qmq_outbox SET state = 'pending', sent_at = NULL, next_attempt_at = now(), "
-                             "lease_token = NULL, lease_expires_at = NULL WHERE message_id = :m"), {"m": duplicate})
+        conn.execute(
+            sa.text(
+                "UPDATE qmq_outbox SET state = 'pending', sent_at = NULL, next_attempt_at = now(), "
+                "lease_token = NULL, lease_expires_at = NULL WHERE message_id = :m"
+            ),
+            {"m": duplicate},
+        )
     wait_for(lambda: states(engine)[duplicate] == "sent", "the duplicate shipped again")
     settled = {"backlog": 0, "in_flight": 0, "retrying": 0, "dead": 1}
     wait_for(lambda: group_totals(brokers, "work", "recorder") == settled, "the worker settled everything")
@@ -135,18 +148,39 @@ def test_the_report_names_exactly_the_faults(processes, tmp_path, db_url, spark)
     producer.close()
 
     out = tmp_path / "reconciliation"
-    findings = reconcile(spark, out, [db_url], tmp_path / "ledger", started - timedelta(minutes=1),
-                         datetime.now(UTC) + timedelta(minutes=1), grace=timedelta(0), consumed_dbs=[db_url])
+    findings = reconcile(
+        spark,
+        out,
+        [db_url],
+        tmp_path / "ledger",
+        started - timedelta(minutes=1),
+        datetime.now(UTC) + timedelta(minutes=1),
+        grace=timedelta(0),
+        consumed_dbs=[db_url],
+    )
 
-    expected = {**{m: c.NOT_SHIPPED for m in late}, **{m: c.NOT_ACKED for m in unacked},
-                doomed: c.DEAD_LETTERED, duplicate: c.REDELIVERED, orphan: c.ORPHANED}
+    expected = {
+        **{m: c.NOT_SHIPPED for m in late},
+        **{m: c.NOT_ACKED for m in unacked},
+        doomed: c.DEAD_LETTERED,
+        duplicate: c.REDELIVERED,
+        orphan: c.ORPHANED,
+    }
     assert classes_of(out) == expected
     summary = read_summary(out)
     everything = [*normal, doomed, duplicate, *shipments, orphan, *late, young]
     assert summary["total"] == len(everything)
     assert {k: summary[k] for k in c.CLASSES} == {
-        c.DELIVERED: NORMAL + SHIPMENTS - len(unacked), c.NOT_SHIPPED: LATE, c.NOT_ACKED: len(unacked),
-        c.DEAD_LETTERED: 1, c.REDELIVERED: 1, c.ORPHANED: 1, c.IN_FLIGHT: 1, c.CANCELLED: 0, c.ROLLED_BACK: 0}
+        c.DELIVERED: NORMAL + SHIPMENTS - len(unacked),
+        c.NOT_SHIPPED: LATE,
+        c.NOT_ACKED: len(unacked),
+        c.DEAD_LETTERED: 1,
+        c.REDELIVERED: 1,
+        c.ORPHANED: 1,
+        c.IN_FLIGHT: 1,
+        c.CANCELLED: 0,
+        c.ROLLED_BACK: 0,
+    }
     assert findings.exit_code == 3 and summary["exceeded"] == [c.NOT_SHIPPED, c.NOT_ACKED]
     classified = {r["message_id"]: r for r in spark.read.parquet(str(out / "classified")).collect()}
     assert set(classified) == set(everything) and rolled_back[0] not in classified
@@ -162,9 +196,15 @@ def test_the_report_names_exactly_the_faults(processes, tmp_path, db_url, spark)
     assert query(db_url, "SELECT count(*) FROM qmq_consumed WHERE message_id = %s", duplicate) == [(1,)]
 
     per_group = {(g["subject"], g["group"]): g for g in findings.per_group}
-    assert per_group[("shipments", "audit")] == {"subject": "shipments", "group": "audit", "messages": SHIPMENTS,
-                                                 "acked": SHIPMENTS - len(unacked), "not_acked": len(unacked),
-                                                 "dead": 0, "redelivered": 0}
+    assert per_group[("shipments", "audit")] == {
+        "subject": "shipments",
+        "group": "audit",
+        "messages": SHIPMENTS,
+        "acked": SHIPMENTS - len(unacked),
+        "not_acked": len(unacked),
+        "dead": 0,
+        "redelivered": 0,
+    }
     # Received twice: the duplicate, and the failing message (its retry).
     assert per_group[("work", "recorder")]["dead"] == 1 and per_group[("work", "recorder")]["redelivered"] == 2
     report = (out / "report.md").read_text()

@@ -21,16 +21,29 @@ from spark_etl.sources import Database, parse_databases, spark_schema, uuid7_flo
 from tests.support.reconcile import spark  # noqa: F401 - the shared SparkSession fixture
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
-OUTBOX_SCHEMA = T.StructType([
-    T.StructField("message_id", T.StringType()), T.StructField("subject", T.StringType()),
-    T.StructField("state", T.StringType()), T.StructField("attempts", T.IntegerType()),
-    T.StructField("created_at", T.TimestampType()), T.StructField("sent_at", T.TimestampType()),
-    T.StructField("flagged_at", T.TimestampType()), T.StructField("deliver_at", T.TimestampType()),
-    T.StructField("last_error", T.StringType()), T.StructField("database", T.StringType())])
-CONSUMED_SCHEMA = T.StructType([
-    T.StructField("consumer_group", T.StringType()), T.StructField("message_id", T.StringType()),
-    T.StructField("subject", T.StringType()), T.StructField("consumed_at", T.TimestampType()),
-    T.StructField("database", T.StringType())])
+OUTBOX_SCHEMA = T.StructType(
+    [
+        T.StructField("message_id", T.StringType()),
+        T.StructField("subject", T.StringType()),
+        T.StructField("state", T.StringType()),
+        T.StructField("attempts", T.IntegerType()),
+        T.StructField("created_at", T.TimestampType()),
+        T.StructField("sent_at", T.TimestampType()),
+        T.StructField("flagged_at", T.TimestampType()),
+        T.StructField("deliver_at", T.TimestampType()),
+        T.StructField("last_error", T.StringType()),
+        T.StructField("database", T.StringType()),
+    ]
+)
+CONSUMED_SCHEMA = T.StructType(
+    [
+        T.StructField("consumer_group", T.StringType()),
+        T.StructField("message_id", T.StringType()),
+        T.StructField("subject", T.StringType()),
+        T.StructField("consumed_at", T.TimestampType()),
+        T.StructField("database", T.StringType()),
+    ]
+)
 
 
 def at(hours: float) -> datetime:
@@ -42,39 +55,106 @@ class Rows:
 
     def __init__(self) -> None:
         self.outbox: list[tuple] = []
-        self.tables: dict[str, list[dict[str, Any]]] = {t: [] for t in (lt.MESSAGES, lt.DELIVERIES, lt.GROUPS,
-                                                                        lt.DELAYED)}
+        self.tables: dict[str, list[dict[str, Any]]] = {
+            t: [] for t in (lt.MESSAGES, lt.DELIVERIES, lt.GROUPS, lt.DELAYED)
+        }
         self.consumed: list[tuple] = []
 
-    def committed(self, mid: str, hours: float, state: str = "sent", *, subject: str = "s", attempts: int = 1,
-                  flagged: float | None = None, error: str | None = None, deliver_at: float | None = None) -> None:
-        self.outbox.append((mid, subject, state, attempts, at(hours), at(hours) if state == "sent" else None,
-                            at(flagged) if flagged is not None else None,
-                            at(deliver_at) if deliver_at is not None else None, error, "shop"))
+    def committed(
+        self,
+        mid: str,
+        hours: float,
+        state: str = "sent",
+        *,
+        subject: str = "s",
+        attempts: int = 1,
+        flagged: float | None = None,
+        error: str | None = None,
+        deliver_at: float | None = None,
+    ) -> None:
+        self.outbox.append(
+            (
+                mid,
+                subject,
+                state,
+                attempts,
+                at(hours),
+                at(hours) if state == "sent" else None,
+                at(flagged) if flagged is not None else None,
+                at(deliver_at) if deliver_at is not None else None,
+                error,
+                "shop",
+            )
+        )
 
-    def stored(self, mid: str, hours: float, *, subject: str = "s", producer: str | None = None,
-               broker: str = "b1") -> None:
-        self.tables[lt.MESSAGES].append(self._row(lt.MESSAGES, {
-            "message_id": mid, "subject": subject, "stored_subject": subject, "origin": lt.PRODUCER, "attempt": 1,
-            "stored_at": at(hours), "first_stored_at": at(hours), "created_at": at(hours), "producer": producer,
-            "size": 10, "offset": 0, lt.BROKER: broker}))
+    def stored(
+        self, mid: str, hours: float, *, subject: str = "s", producer: str | None = None, broker: str = "b1"
+    ) -> None:
+        self.tables[lt.MESSAGES].append(
+            self._row(
+                lt.MESSAGES,
+                {
+                    "message_id": mid,
+                    "subject": subject,
+                    "stored_subject": subject,
+                    "origin": lt.PRODUCER,
+                    "attempt": 1,
+                    "stored_at": at(hours),
+                    "first_stored_at": at(hours),
+                    "created_at": at(hours),
+                    "producer": producer,
+                    "size": 10,
+                    "offset": 0,
+                    lt.BROKER: broker,
+                },
+            )
+        )
 
-    def delivered(self, mid: str, group: str, status: str, times: int = 1, attempts: int = 1,
-                  broadcast: bool = False) -> None:
-        self.tables[lt.DELIVERIES].append(self._row(lt.DELIVERIES, {
-            "message_id": mid, "subject": "s", "group": group, "broadcast": broadcast, "times_delivered": times,
-            "status": status, "dead_lettered": status == lt.DEAD_LETTERED, "attempts": attempts,
-            "first_stored_at": T0, lt.BROKER: "b1"}))
+    def delivered(
+        self, mid: str, group: str, status: str, times: int = 1, attempts: int = 1, broadcast: bool = False
+    ) -> None:
+        self.tables[lt.DELIVERIES].append(
+            self._row(
+                lt.DELIVERIES,
+                {
+                    "message_id": mid,
+                    "subject": "s",
+                    "group": group,
+                    "broadcast": broadcast,
+                    "times_delivered": times,
+                    "status": status,
+                    "dead_lettered": status == lt.DEAD_LETTERED,
+                    "attempts": attempts,
+                    "first_stored_at": T0,
+                    lt.BROKER: "b1",
+                },
+            )
+        )
 
     def group(self, group: str, hours: float, *, subject: str = "s", broadcast: bool = False) -> None:
-        self.tables[lt.GROUPS].append(self._row(lt.GROUPS, {"subject": subject, "group": group,
-                                                            "broadcast": broadcast, "created_at": at(hours),
-                                                            lt.BROKER: "b1"}))
+        self.tables[lt.GROUPS].append(
+            self._row(
+                lt.GROUPS,
+                {"subject": subject, "group": group, "broadcast": broadcast, "created_at": at(hours), lt.BROKER: "b1"},
+            )
+        )
 
     def delayed(self, mid: str, due_hours: float, *, dispatched: bool = False, cancelled: bool = False) -> None:
-        self.tables[lt.DELAYED].append(self._row(lt.DELAYED, {
-            "message_id": mid, "subject": "s", "stored_at": at(1), "due_at": at(due_hours), "created_at": at(1),
-            "dispatched": dispatched, "cancelled": cancelled, lt.SERVER: "d1"}))
+        self.tables[lt.DELAYED].append(
+            self._row(
+                lt.DELAYED,
+                {
+                    "message_id": mid,
+                    "subject": "s",
+                    "stored_at": at(1),
+                    "due_at": at(due_hours),
+                    "created_at": at(1),
+                    "dispatched": dispatched,
+                    "cancelled": cancelled,
+                    lt.SERVER: "d1",
+                },
+            )
+        )
 
     @staticmethod
     def _row(table: str, values: dict[str, Any]) -> dict[str, Any]:
@@ -83,11 +163,18 @@ class Rows:
         return {name: values.get(name) for name in spark_schema(table).names}
 
     def sources(self, session) -> c.Sources:
-        frames = {t: session.createDataFrame([tuple(r.values()) for r in rows], spark_schema(t))
-                  for t, rows in self.tables.items()}
-        return c.Sources(outbox=session.createDataFrame(self.outbox, OUTBOX_SCHEMA), messages=frames[lt.MESSAGES],
-                         deliveries=frames[lt.DELIVERIES], groups=frames[lt.GROUPS], delayed=frames[lt.DELAYED],
-                         consumed=session.createDataFrame(self.consumed, CONSUMED_SCHEMA))
+        frames = {
+            t: session.createDataFrame([tuple(r.values()) for r in rows], spark_schema(t))
+            for t, rows in self.tables.items()
+        }
+        return c.Sources(
+            outbox=session.createDataFrame(self.outbox, OUTBOX_SCHEMA),
+            messages=frames[lt.MESSAGES],
+            deliveries=frames[lt.DELIVERIES],
+            groups=frames[lt.GROUPS],
+            delayed=frames[lt.DELAYED],
+            consumed=session.createDataFrame(self.consumed, CONSUMED_SCHEMA),
+        )
 
 
 def test_each_rule_of_the_classification(spark) -> None:  # noqa: F811
@@ -156,31 +243,47 @@ def test_each_rule_of_the_classification(spark) -> None:  # noqa: F811
     pairs = c.pairs(sources, window)
     classified = c.classify(sources, window, pairs)
     rows = {row["message_id"]: row for row in classified.collect()}
-    explained = {row["message_id"]: row for row in c.explain(classified.where(F.col("class") != c.DELIVERED), pairs,
-                                                             sources, window).collect()}
+    explained = {
+        row["message_id"]: row
+        for row in c.explain(classified.where(F.col("class") != c.DELIVERED), pairs, sources, window).collect()
+    }
     got = {name: rows[mid]["class"] for name, mid in ids.items() if mid in rows}
     assert got == {
-        "delivered": c.DELIVERED, "after g2": c.NOT_ACKED, "g2 got it anyway": c.NOT_ACKED,
-        "young, unacked": c.IN_FLIGHT, "young, unshipped": c.IN_FLIGHT, "pending, flagged": c.NOT_SHIPPED,
-        "sent, lost": c.NOT_SHIPPED, "delayed, not due": c.IN_FLIGHT, "delayed, overdue": c.NOT_SHIPPED,
-        "delayed, cancelled": c.CANCELLED, "delayed, shipped, not due": c.IN_FLIGHT,
-        "delayed, stuck in the outbox": c.NOT_SHIPPED, "rolled back": c.ROLLED_BACK, "another outbox": c.ORPHANED,
-        "retried": c.REDELIVERED, "handled, ack lost": c.NOT_ACKED, "dead": c.DEAD_LETTERED,
-        "nobody consumes": c.DELIVERED, "stored twice": c.REDELIVERED,
+        "delivered": c.DELIVERED,
+        "after g2": c.NOT_ACKED,
+        "g2 got it anyway": c.NOT_ACKED,
+        "young, unacked": c.IN_FLIGHT,
+        "young, unshipped": c.IN_FLIGHT,
+        "pending, flagged": c.NOT_SHIPPED,
+        "sent, lost": c.NOT_SHIPPED,
+        "delayed, not due": c.IN_FLIGHT,
+        "delayed, overdue": c.NOT_SHIPPED,
+        "delayed, cancelled": c.CANCELLED,
+        "delayed, shipped, not due": c.IN_FLIGHT,
+        "delayed, stuck in the outbox": c.NOT_SHIPPED,
+        "rolled back": c.ROLLED_BACK,
+        "another outbox": c.ORPHANED,
+        "retried": c.REDELIVERED,
+        "handled, ack lost": c.NOT_ACKED,
+        "dead": c.DEAD_LETTERED,
+        "nobody consumes": c.DELIVERED,
+        "stored twice": c.REDELIVERED,
     }
     reason = {name: explained[mid]["reason"] for name, mid in ids.items() if mid in explained}
     assert reason["after g2"] == "not acknowledged by g2 (never delivered)"
     assert reason["g2 got it anyway"] == "not acknowledged by g2 (delivered 1x, never acknowledged)"
-    assert reason["pending, flagged"] == ("pending in shop after 7 attempts: broker down; flagged at "
-                                          "2026-03-01 03:00:00Z")
+    assert reason["pending, flagged"] == (
+        "pending in shop after 7 attempts: broker down; flagged at 2026-03-01 03:00:00Z"
+    )
     assert reason["sent, lost"] == "marked sent in shop at 2026-03-01 02:00:00Z, but no broker stored it"
     assert reason["delayed, not due"] == "due at 2026-03-03 00:00:00Z in d1"
     assert reason["delayed, shipped, not due"] == "due at 2026-03-02 16:00:00Z in a delay server"
     assert reason["delayed, overdue"].endswith("; due at 2026-03-01 03:00:00Z, still in d1")
     assert reason["rolled back"].endswith("produced by outbox:shop: a rolled-back transaction's message")
     assert reason["retried"] == "received more than once by g1 2x (1 after failures)"
-    assert reason["handled, ack lost"] == ("not acknowledged by g1 (delivered 1x, never acknowledged; handled at "
-                                           "2026-03-01 01:06:00Z, the ack was lost)")
+    assert reason["handled, ack lost"] == (
+        "not acknowledged by g1 (delivered 1x, never acknowledged; handled at 2026-03-01 01:06:00Z, the ack was lost)"
+    )
     assert reason["stored twice"] == "received more than once by g1 2x; stored 2 times (on b1, b2)"
     assert reason["young, unshipped"].startswith("made at 2026-03-01 19:30:00Z, within the grace period")
     assert rows[ids["rolled back"]]["critical"] and not rows[ids["dead"]]["critical"]

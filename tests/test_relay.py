@@ -80,9 +80,11 @@ APP = textwrap.dedent("""
 
 
 def test_an_app_killed_right_after_commit_has_its_message_shipped_by_the_relay(
-        processes, engine, db_url, broker) -> None:
-    app = subprocess.run([sys.executable, "-c", APP, db_url, broker.address], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+    processes, engine, db_url, broker
+) -> None:
+    app = subprocess.run(
+        [sys.executable, "-c", APP, db_url, broker.address], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert app.returncode == -signal.SIGKILL, app.stderr
     message_id = app.stdout.strip()
     assert states(engine) == {message_id: "pending"}  # committed, never shipped
@@ -156,8 +158,7 @@ class BlackHole:
             conn.close()
 
 
-def test_a_relay_killed_mid_batch_loses_its_rows_to_another_after_the_lease(processes, engine, db_url,
-                                                                              broker) -> None:
+def test_a_relay_killed_mid_batch_loses_its_rows_to_another_after_the_lease(processes, engine, db_url, broker) -> None:
     ids = leave_for_relay(engine, "order.created", 20)
     hole = BlackHole()
     try:
@@ -175,9 +176,14 @@ def test_a_relay_killed_mid_batch_loses_its_rows_to_another_after_the_lease(proc
 
 
 def run_once(db_url: str, broker: str, **flags) -> tuple[dict, str]:
-    result = subprocess.run([sys.executable, *relay_args(db_url, broker=broker, once=True, **flags)],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT,
-                            env={"PYTHONPATH": str(ROOT), "QMQ_META": "", "QMQ_DB_URL": "", "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, *relay_args(db_url, broker=broker, once=True, **flags)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "QMQ_META": "", "QMQ_DB_URL": "", "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout), result.stderr
 
@@ -197,8 +203,11 @@ def test_sent_rows_are_kept_for_the_audit_window_then_purged_in_batches(engine, 
     report, _ = run_once(db_url, broker.address)
     assert report["shipped"] == 28
     with engine.begin() as conn:  # as if the first rows had been sent 8 days ago
-        conn.execute(outbox.update().where(outbox.c.message_id.in_(old))
-                     .values(sent_at=sa.func.now() - sa.text("interval '8 days'")))
+        conn.execute(
+            outbox.update()
+            .where(outbox.c.message_id.in_(old))
+            .values(sent_at=sa.func.now() - sa.text("interval '8 days'"))
+        )
     report, _ = run_once(db_url, broker.address, **{"purge-batch": 10, "keep-sent-days": 7})
     assert report["purged"] == 25
     assert set(states(engine)) == set(recent)
@@ -235,7 +244,10 @@ def test_a_delayed_row_goes_through_the_delay_server(processes, engine, db_url, 
     message_id = producer.send("review.requested", "a week after checkout (here: 2 s)", delay=2)
     due = outbox_rows(engine)[message_id].deliver_at
     producer.close()
-    processes.start([*relay_args(db_url, broker=broker.address), "--delay-server", delay.address], name="relay",
-                    env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": "", "QMQ_DB_URL": ""})
+    processes.start(
+        [*relay_args(db_url, broker=broker.address), "--delay-server", delay.address],
+        name="relay",
+        env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": "", "QMQ_DB_URL": ""},
+    )
     [delivery] = consume(broker.address, "review.requested", 1)
     assert delivery.id == message_id and delivery.stored_at >= due.replace(microsecond=due.microsecond // 1000 * 1000)

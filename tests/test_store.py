@@ -56,10 +56,15 @@ def test_segments_roll_and_records_never_span_two(tmp_path):
 
 def test_tag_filter_any_and_all(tmp_path):
     with LogStore(tmp_path, SMALL) as store:
-        store.append([
-            msg("t", 0, tags=("red",)), msg("t", 1, tags=("red", "big")), msg("t", 2, tags=("blue",)),
-            msg("t", 3), msg("t", 4, tags=("big",)),
-        ])
+        store.append(
+            [
+                msg("t", 0, tags=("red",)),
+                msg("t", 1, tags=("red", "big")),
+                msg("t", 2, tags=("blue",)),
+                msg("t", 3),
+                msg("t", 4, tags=("big",)),
+            ]
+        )
         seqs = lambda **kw: [r.seq for r in store.read("t", 0, 10, **kw).records]  # noqa: E731
         assert seqs(tags=["red"]) == [0, 1]
         assert seqs(tags=["red", "blue"]) == [0, 1, 2]
@@ -147,6 +152,7 @@ def test_group_commit_covers_concurrent_writers_with_fewer_fsyncs(tmp_path):
     import threading
 
     with LogStore(tmp_path, SMALL) as store:
+
         def writer(t):
             for j in range(50):
                 store.append_durable([msg(f"w{t}", j)])
@@ -189,8 +195,7 @@ def test_durable_can_be_awaited_from_asyncio(tmp_path):
 
     async def main():
         with LogStore(tmp_path, SMALL) as store:
-            results = await asyncio.gather(*[
-                asyncio.to_thread(store.append, [msg("x", i)]) for i in range(20)])
+            results = await asyncio.gather(*[asyncio.to_thread(store.append, [msg("x", i)]) for i in range(20)])
             await asyncio.gather(*[store.durable(r[0].end) for r in results])
             return store.flusher.durable_offset >= max(r[0].end for r in results)
 
@@ -208,11 +213,11 @@ def test_similar_keys_spread_over_the_index_buckets(tmp_path):
     f = index.files[0]
     chains = []
     for slot in range(f.slots):
-        number = int.from_bytes(f.mm[64 + slot * 4:68 + slot * 4], "big")
+        number = int.from_bytes(f.mm[64 + slot * 4 : 68 + slot * 4], "big")
         length = 0
         while number:
             length += 1
-            number = int.from_bytes(f.mm[f.entries_at + (number - 1) * 20 + 16:f.entries_at + number * 20], "big")
+            number = int.from_bytes(f.mm[f.entries_at + (number - 1) * 20 + 16 : f.entries_at + number * 20], "big")
         chains.append(length)
     assert sum(chains) == 4096
     assert max(chains) <= 3 * 4096 // 256  # average 16

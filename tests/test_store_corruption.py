@@ -50,8 +50,9 @@ def ids_in(store):
 
 
 def cli_verify(data_dir):
-    return subprocess.run([sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(data_dir)],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(data_dir)], capture_output=True, text=True
+    )
 
 
 def record_in(written, path, which):
@@ -194,8 +195,9 @@ def test_index_entries_written_past_the_header_count_are_undone(tmp_path):
         saved = ckpt.load(tmp_path / "checkpoint")
         results = store.append_durable([Message("s", f"late-{i}", b"x") for i in range(200)])
         last = store.index.files[-1]
-        index.HEADER.pack_into(last.mm, 0, index.FILE_MAGIC, last.slots, last.capacity, last.count - 190,
-                               last.last_offset)  # the header lags the entries, as after a SIGKILL
+        index.HEADER.pack_into(
+            last.mm, 0, index.FILE_MAGIC, last.slots, last.capacity, last.count - 190, last.last_offset
+        )  # the header lags the entries, as after a SIGKILL
     ckpt.save(tmp_path / "checkpoint", saved)
     active = segment_files(tmp_path)[-1]
     os.truncate(active, results[10].offset - int(active.name) + 5)  # and all but 10 late records torn

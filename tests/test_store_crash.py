@@ -18,8 +18,11 @@ MAX_RECORDS_BEFORE_KILL = 3000
 def run_and_kill(processes, data_dir, round_no, rng):
     """Start a writer, let it report a random number of durable records, SIGKILL it. Returns the
     reported records. A threshold of 0 kills it while it may still be recovering."""
-    proc = processes.start(["-m", "tests.support.store_writer", str(data_dir), str(round_no)],
-                           name=f"writer-{round_no}", stdout=subprocess.PIPE)
+    proc = processes.start(
+        ["-m", "tests.support.store_writer", str(data_dir), str(round_no)],
+        name=f"writer-{round_no}",
+        stdout=subprocess.PIPE,
+    )
     threshold = rng.choice([0, rng.randint(1, 200), rng.randint(1, MAX_RECORDS_BEFORE_KILL)])
     reported = []
     if threshold:
@@ -65,7 +68,8 @@ def test_sigkill_during_sync_appends_loses_nothing_reported(processes, tmp_path)
         reported.extend(run_and_kill(processes, data_dir, round_no, rng))
         check_store(data_dir, reported)
     assert len(reported) > ROUNDS * 50
-    cli = subprocess.run([sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(data_dir)],
-                         capture_output=True, text=True)
+    cli = subprocess.run(
+        [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(data_dir)], capture_output=True, text=True
+    )
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert "OK" in cli.stdout

@@ -15,14 +15,39 @@ from tests.support.stores import SMALL
 texts = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789.-_", min_size=1, max_size=30)
 
 
-@given(subject=texts, message_id=texts, key=st.none() | texts, tags=st.lists(texts, max_size=4),
-       payload=st.binary(max_size=2000), seq=st.integers(0, 2**63 - 1), flags=st.integers(0, 255))
+@given(
+    subject=texts,
+    message_id=texts,
+    key=st.none() | texts,
+    tags=st.lists(texts, max_size=4),
+    payload=st.binary(max_size=2000),
+    seq=st.integers(0, 2**63 - 1),
+    flags=st.integers(0, 255),
+)
 def test_round_trip(subject, message_id, key, tags, payload, seq, flags):
-    data = rec.encode(rec.Attr.MESSAGE, flags, 1234, seq, subject.encode(), message_id.encode(),
-                      (key or "").encode(), ",".join(tags).encode(), payload)
+    data = rec.encode(
+        rec.Attr.MESSAGE,
+        flags,
+        1234,
+        seq,
+        subject.encode(),
+        message_id.encode(),
+        (key or "").encode(),
+        ",".join(tags).encode(),
+        payload,
+    )
     r = rec.decode(b"xx" + data, 2, 100)
     assert (r.offset, r.size, r.subject, r.message_id, r.key, r.tags, r.payload, r.seq, r.flags) == (
-        102, len(data), subject, message_id, key, tuple(tags), payload, seq, flags)
+        102,
+        len(data),
+        subject,
+        message_id,
+        key,
+        tuple(tags),
+        payload,
+        seq,
+        flags,
+    )
 
 
 @settings(max_examples=3000, deadline=None)
@@ -57,19 +82,35 @@ def test_find_next_valid_skips_damage():
 
 def test_log_dump_prints_json_lines(tmp_path):
     with LogStore(tmp_path, SMALL) as store:
-        store.append([Message("a", "1", b"hello", tags=("t",)), Message("b", "2", b"\xff\x00"),
-                      Message("a", "3", b"again", key="k")])
-    out = subprocess.run([sys.executable, "-m", "qmq", "log", "dump", "--data-dir", str(tmp_path),
-                          "--subject", "a"], capture_output=True, text=True, check=True).stdout
+        store.append(
+            [
+                Message("a", "1", b"hello", tags=("t",)),
+                Message("b", "2", b"\xff\x00"),
+                Message("a", "3", b"again", key="k"),
+            ]
+        )
+    out = subprocess.run(
+        [sys.executable, "-m", "qmq", "log", "dump", "--data-dir", str(tmp_path), "--subject", "a"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["message_id"], r["payload"], r["seq"], r["key"], r["tags"]) for r in rows] == [
-        ("1", "hello", 0, None, ["t"]), ("3", "again", 1, "k", [])]
-    out = subprocess.run([sys.executable, "-m", "qmq", "log", "dump", "--data-dir", str(tmp_path),
-                          "--subject", "b"], capture_output=True, text=True, check=True).stdout
+        ("1", "hello", 0, None, ["t"]),
+        ("3", "again", 1, "k", []),
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "qmq", "log", "dump", "--data-dir", str(tmp_path), "--subject", "b"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert json.loads(out)["payload_base64"] == "/wA="
 
 
 def test_log_commands_name_a_directory_that_is_not_a_store(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(tmp_path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(tmp_path)], capture_output=True, text=True
+    )
     assert result.returncode == 2 and "not a qmq store" in result.stderr

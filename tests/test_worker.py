@@ -72,9 +72,7 @@ def test_sigterm_during_a_burst_finishes_acks_and_exits_0(processes, broker, db_
     assert Counter(row[0] for row in rows) == Counter(ids)  # each exactly once, over both workers
 
 
-
-def test_sigkilled_worker_is_taken_over_and_idempotency_keeps_one_row_per_message(processes, broker,
-                                                                                   db_url) -> None:
+def test_sigkilled_worker_is_taken_over_and_idempotency_keeps_one_row_per_message(processes, broker, db_url) -> None:
     env = {"QMQ_TEST_IDEMPOTENT": "sql"}
     ids = send_bodies([broker], [{"sleep": 0.02}] * 300)
     # Five messages sent again with the same ids: deliveries that certainly repeat.
@@ -82,8 +80,9 @@ def test_sigkilled_worker_is_taken_over_and_idempotency_keeps_one_row_per_messag
     victim = start_worker(processes, [broker], db_url, "-c", "4", name="victim", env=env)
     wait_for(lambda: handled_count(db_url) >= 60, "60 messages handled")
     processes.kill(victim)  # SIGKILL: committed messages whose acks were not yet flushed come again
-    start_worker(processes, [broker], db_url, "-c", "4", "--metrics-port", str(port := free_port()),
-                            name="survivor", env=env)
+    start_worker(
+        processes, [broker], db_url, "-c", "4", "--metrics-port", str(port := free_port()), name="survivor", env=env
+    )
     wait_for(lambda: len({row[0] for row in handled(db_url)}) == len(ids), "every message handled")
     wait_for(lambda: group_totals([broker])["backlog"] + group_totals([broker])["in_flight"] == 0, "all acked")
 
@@ -98,19 +97,23 @@ def test_sigkilled_worker_is_taken_over_and_idempotency_keeps_one_row_per_messag
 def test_retries_backoff_retry_delay_and_dead_letters(processes, broker, db_url) -> None:
     start_worker(processes, [broker], db_url, "-c", "4", name="w", env={"QMQ_TEST_MAX_RETRIES": "2"})
     flaky, doomed, later, rejected = send_bodies(
-        [broker], [{"fail_times": 2}, {"always_fail": True}, {"retry_delay": 2.0}, {"reject": "bad order data"}])
+        [broker], [{"fail_times": 2}, {"always_fail": True}, {"retry_delay": 2.0}, {"reject": "bad order data"}]
+    )
     wait_for(lambda: {flaky, later} <= {row[0] for row in handled(db_url)}, "the flaky and delayed ones handled")
     by_id = {row[0]: row for row in handled(db_url)}
     assert by_id[flaky][1] == 3  # failed twice, then succeeded on its third attempt
     assert by_id[later][1] == 2
 
     # qmq.Retry(delay=2): the second attempt came 2 s after the first, within a second.
-    first, second = (r[0] for r in query(db_url, "SELECT at FROM worker_attempts WHERE message_id = %s ORDER BY at",
-                                         later))
+    first, second = (
+        r[0] for r in query(db_url, "SELECT at FROM worker_attempts WHERE message_id = %s ORDER BY at", later)
+    )
     assert 1.95 <= (second - first).total_seconds() <= 3.0
 
-    dead = {m["id"]: m for m in wait_for(lambda: len(dead_letters(broker)) == 2 and dead_letters(broker),
-                                         "two dead letters")}
+    dead = {
+        m["id"]: m
+        for m in wait_for(lambda: len(dead_letters(broker)) == 2 and dead_letters(broker), "two dead letters")
+    }
     assert set(dead) == {doomed, rejected}
     assert dead[doomed]["attempt"] == 3  # max_retries=2: three attempts, then dead
     assert "ValueError: this message always fails" in dead[doomed]["reason"]
@@ -129,8 +132,11 @@ def test_every_consumer_of_an_idle_worker_keeps_pulling_its_retries(processes, b
     start_worker(processes, [broker], db_url, "-c", "4", name="w", env={"QMQ_TEST_ALSO": ",".join(subjects[1:])})
     for round_ in range(3):
         ids = [send_bodies([broker], [{"fail_times": 2}], subject=subject)[0] for subject in subjects]
-        wait_for(lambda ids=ids: set(ids) <= {row[0] for row in handled(db_url)}, f"round {round_}: all handled",
-                 timeout_s=20)
+        wait_for(
+            lambda ids=ids: set(ids) <= {row[0] for row in handled(db_url)},
+            f"round {round_}: all handled",
+            timeout_s=20,
+        )
     assert Counter(row[1] for row in handled(db_url)) == {3: 12}  # two failures, then done: each once
 
 
@@ -148,8 +154,10 @@ def test_four_workers_share_a_backlog(processes, broker, db_url) -> None:
 
 def test_broadcast_reaches_every_worker(processes, broker, db_url) -> None:
     names = ["b0", "b1", "b2"]
-    workers = [start_worker(processes, [broker], db_url, "-c", "2", name=name, env={"QMQ_TEST_BROADCAST": "1"},
-                            ready=False) for name in names]
+    workers = [
+        start_worker(processes, [broker], db_url, "-c", "2", name=name, env={"QMQ_TEST_BROADCAST": "1"}, ready=False)
+        for name in names
+    ]
     for proc in workers:
         wait_ready(proc)
     ids = send_bodies([broker], [{}] * 20)
@@ -174,8 +182,11 @@ def test_worker_keeps_consuming_across_a_broker_restart(processes, broker, db_ur
 
 
 def test_redis_idempotency_skips_repeats(processes, broker, db_url, redis_client, redis_prefix) -> None:
-    env = {"QMQ_TEST_IDEMPOTENT": "redis", "QMQ_TEST_REDIS": "redis://127.0.0.1:6379/0",
-           "QMQ_TEST_REDIS_PREFIX": redis_prefix}
+    env = {
+        "QMQ_TEST_IDEMPOTENT": "redis",
+        "QMQ_TEST_REDIS": "redis://127.0.0.1:6379/0",
+        "QMQ_TEST_REDIS_PREFIX": redis_prefix,
+    }
     ids = send_bodies([broker], [{}] * 9 + [{"fail_times": 1}])
     send_bodies([broker], [{}] * 5, ids=ids[:5])  # the same ids again
     start_worker(processes, [broker], db_url, "-c", "4", name="w", env=env)
@@ -262,8 +273,9 @@ def test_process_pool_warm_shutdown_stops_its_processes(processes, broker, db_ur
 
 def test_healthz_reports_a_worker_that_makes_no_progress(processes, broker, db_url) -> None:
     port = free_port()
-    worker = start_worker(processes, [broker], db_url, "-c", "1", "--liveness-timeout", "2", "--metrics-port",
-                          str(port), name="live")
+    worker = start_worker(
+        processes, [broker], db_url, "-c", "1", "--liveness-timeout", "2", "--metrics-port", str(port), name="live"
+    )
     assert http_get(port, "/healthz") == (200, "ok\n")
     send_bodies([broker], [{}])
     wait_for(lambda: handled(db_url), "a message handled")
@@ -276,8 +288,7 @@ def test_healthz_reports_a_worker_that_makes_no_progress(processes, broker, db_u
     processes.kill(worker)  # its handler sleeps for ten minutes: no point in a warm shutdown
 
 
-def test_worker_started_before_its_meta_server_and_broker_consumes_once_they_come(processes, tmp_path,
-                                                                                 db_url) -> None:
+def test_worker_started_before_its_meta_server_and_broker_consumes_once_they_come(processes, tmp_path, db_url) -> None:
     meta_port = free_port()
     meta_address = f"127.0.0.1:{meta_port}"
     worker = start_worker(processes, [], db_url, "--meta", meta_address, "-c", "2", name="early", ready=False)
@@ -291,9 +302,14 @@ def test_worker_started_before_its_meta_server_and_broker_consumes_once_they_com
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qmq", "worker", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "QMQ_META": "", "QMQ_TEST_DB": "sqlite://"},
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "qmq", "worker", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "QMQ_META": "", "QMQ_TEST_DB": "sqlite://"},
+        timeout=60,
+    )
 
 
 def test_command_line_errors_are_named() -> None:

@@ -55,8 +55,9 @@ def test_backoff_doubles_from_5_s_to_an_hour_and_jitter_stays_in_the_upper_half(
 
 
 def test_decisions() -> None:
-    policy = RetryPolicy(max_retries=2, jitter=False, autoretry_for=(OSError, ValueError),
-                         dont_autoretry_for=(FileNotFoundError,))
+    policy = RetryPolicy(
+        max_retries=2, jitter=False, autoretry_for=(OSError, ValueError), dont_autoretry_for=(FileNotFoundError,)
+    )
     retry = policy.decide(failing(OSError("disk")), 1)
     assert (retry.kind, retry.delay_s) == (Kind.RETRY, 5.0)
     assert retry.reason.startswith("OSError: disk (at ") and "in failing" in retry.reason
@@ -160,8 +161,19 @@ def make_app(**kwargs) -> App:
 
 
 def call_for(consumer, attempts: int = 1, message_id: str | None = None) -> Call:
-    message = Message(message_id or str(uuid.uuid4()), consumer.subject, consumer.group, {}, "application/json",
-                      (), None, {}, attempts, None, None)
+    message = Message(
+        message_id or str(uuid.uuid4()),
+        consumer.subject,
+        consumer.group,
+        {},
+        "application/json",
+        (),
+        None,
+        {},
+        attempts,
+        None,
+        None,
+    )
     return Call(message, consumer)
 
 
@@ -178,6 +190,7 @@ def test_time_limit_interrupts_a_busy_handler_and_never_leaks_afterwards() -> No
     with pytest.raises(TimeLimitExceeded, match=r"spin/units ran longer than its time limit of 0\.2 s"):
         time_limit_step(call_for(consumer), lambda call: spin(call.message))
     assert time.monotonic() - started < 5
+
     @app.consumer("brief", time_limit=0.05)
     def brief(message) -> None:
         time.sleep(0.049)
@@ -291,10 +304,14 @@ def test_purge_removes_records_past_the_window_only(db_url) -> None:
 
     now = datetime.now(UTC)
     with engine.begin() as conn:
-        conn.execute(consumed.insert(), [
-            {"consumer_group": "g", "message_id": f"old{i}", "subject": "s", "consumed_at": now - timedelta(days=8)}
-            for i in range(7)] + [{"consumer_group": "g", "message_id": "new", "subject": "s",
-                                   "consumed_at": now - timedelta(days=1)}])
+        conn.execute(
+            consumed.insert(),
+            [
+                {"consumer_group": "g", "message_id": f"old{i}", "subject": "s", "consumed_at": now - timedelta(days=8)}
+                for i in range(7)
+            ]
+            + [{"consumer_group": "g", "message_id": "new", "subject": "s", "consumed_at": now - timedelta(days=1)}],
+        )
     assert purge_consumed(engine, timedelta(days=7), batch=3) == 7
     with engine.connect() as conn:
         assert conn.execute(sa.select(consumed.c.message_id)).scalars().all() == ["new"]
@@ -318,8 +335,10 @@ def test_redis_idempotency_lease_done_and_release(redis_client, redis_prefix) ->
     key = f"{redis_prefix}units:consumed:mailer:m1"
 
     def call(message_id: str, body: dict, attempts: int = 1) -> Call:
-        return Call(Message(message_id, "mail", "mailer", body, "application/json", (), None, {}, attempts, None,
-                            None), consumer)
+        return Call(
+            Message(message_id, "mail", "mailer", body, "application/json", (), None, {}, attempts, None, None),
+            consumer,
+        )
 
     first: list = []
     runner = threading.Thread(target=lambda: first.append(chain(call("m1", {"block": True}))))

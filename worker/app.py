@@ -70,10 +70,19 @@ class App:
     are, as for `qmq.client.Client`; `db` (a URL) or `engine` is the database of the handlers'
     sessions and of SQL idempotency; `redis` (a URL or a redis client) that of Redis idempotency."""
 
-    def __init__(self, name: str, *, meta: str | None = None, brokers: Sequence[str] | None = None,
-                 token: str | None = None, db: str | None = None, engine: Engine | None = None,
-                 redis: Any = None, redis_prefix: str = DEFAULT_REDIS_PREFIX,
-                 idempotency_window: timedelta = DEFAULT_WINDOW) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        meta: str | None = None,
+        brokers: Sequence[str] | None = None,
+        token: str | None = None,
+        db: str | None = None,
+        engine: Engine | None = None,
+        redis: Any = None,
+        redis_prefix: str = DEFAULT_REDIS_PREFIX,
+        idempotency_window: timedelta = DEFAULT_WINDOW,
+    ) -> None:
         if db and engine is not None:
             raise ValueError("give db (a URL) or engine, not both")
         self.name = name
@@ -93,13 +102,24 @@ class App:
 
     # ---- declaring -------------------------------------------------------------------------------
 
-    def consumer(self, subject: str, *, group: str | None = None, tags: Sequence[str] = (), match_all: bool = False,
-                 broadcast: bool = False, start: str = "latest", max_retries: int | None = DEFAULT_MAX_RETRIES,
-                 retry_backoff: float | bool = DEFAULT_BACKOFF_S, retry_backoff_max: float = DEFAULT_BACKOFF_MAX_S,
-                 retry_jitter: bool = True,
-                 autoretry_for: Sequence[type[BaseException]] = (Exception,),
-                 dont_autoretry_for: Sequence[type[BaseException]] = (),
-                 time_limit: float | None = None, idempotent: Idempotent = False) -> Callable[[Callable], Callable]:
+    def consumer(
+        self,
+        subject: str,
+        *,
+        group: str | None = None,
+        tags: Sequence[str] = (),
+        match_all: bool = False,
+        broadcast: bool = False,
+        start: str = "latest",
+        max_retries: int | None = DEFAULT_MAX_RETRIES,
+        retry_backoff: float | bool = DEFAULT_BACKOFF_S,
+        retry_backoff_max: float = DEFAULT_BACKOFF_MAX_S,
+        retry_jitter: bool = True,
+        autoretry_for: Sequence[type[BaseException]] = (Exception,),
+        dont_autoretry_for: Sequence[type[BaseException]] = (),
+        time_limit: float | None = None,
+        idempotent: Idempotent = False,
+    ) -> Callable[[Callable], Callable]:
         """Register the decorated function as the handler of `subject` for consumer `group` (default:
         the app's name). It is called with the `qmq.Message`, and with `session=` (a SQLAlchemy
         Session in the message's transaction) when it has a `session` parameter. Returns the function
@@ -108,8 +128,14 @@ class App:
         SubscribeOptions(subject, group, "check", tuple(tags), match_all, broadcast, start)  # ValueError if bad
         if retry_backoff is True:
             retry_backoff = DEFAULT_BACKOFF_S
-        policy = RetryPolicy(max_retries, float(retry_backoff or 0), float(retry_backoff_max), retry_jitter,
-                             tuple(autoretry_for), tuple(dont_autoretry_for))
+        policy = RetryPolicy(
+            max_retries,
+            float(retry_backoff or 0),
+            float(retry_backoff_max),
+            retry_jitter,
+            tuple(autoretry_for),
+            tuple(dont_autoretry_for),
+        )
         if time_limit is not None and not time_limit > 0:
             raise ValueError("time_limit must be a number of seconds > 0")
         if idempotent not in (False, True, "redis"):
@@ -127,8 +153,22 @@ class App:
             wants_session = "session" in inspect.signature(fn).parameters
             if wants_session and self.db_url is None and self._engine is None:
                 raise ValueError(f"{fn.__qualname__} takes a session but the app has no database (db=URL)")
-            self.consumers.append(Consumer(self, fn, subject, group, tuple(tags), match_all, broadcast, start,
-                                           policy, time_limit, idempotent, wants_session))
+            self.consumers.append(
+                Consumer(
+                    self,
+                    fn,
+                    subject,
+                    group,
+                    tuple(tags),
+                    match_all,
+                    broadcast,
+                    start,
+                    policy,
+                    time_limit,
+                    idempotent,
+                    wants_session,
+                )
+            )
             return fn
 
         return register
@@ -160,8 +200,9 @@ class App:
 
                 # No pre-ping: it costs a round trip per message. A connection that died with its database
                 # fails one message, which is retried, and the pool replaces its connections.
-                self._engine = create_engine(self.db_url, pool_size=self.pool_size, max_overflow=self.pool_size,
-                                             pool_pre_ping=False)
+                self._engine = create_engine(
+                    self.db_url, pool_size=self.pool_size, max_overflow=self.pool_size, pool_pre_ping=False
+                )
                 engine = self._engine
                 os.register_at_fork(after_in_child=lambda: engine.dispose(close=False))
             return self._engine
@@ -175,11 +216,18 @@ class App:
                 self._redis = redis.Redis.from_url(self._redis)
             return self._redis
 
-    def client(self, meta: str | None = None, brokers: Sequence[str] = (), token: str | None = None,
-               client_id: str | None = None) -> Client:
+    def client(
+        self,
+        meta: str | None = None,
+        brokers: Sequence[str] = (),
+        token: str | None = None,
+        client_id: str | None = None,
+    ) -> Client:
         """A client for the brokers; arguments given here win over the app's."""
         if meta or brokers:
-            return Client(meta=meta or None, brokers=list(brokers) or None, token=token or self.token,
-                          client_id=client_id)
-        return Client(meta=self.meta, brokers=list(self.brokers) or None, token=token or self.token,
-                      client_id=client_id)
+            return Client(
+                meta=meta or None, brokers=list(brokers) or None, token=token or self.token, client_id=client_id
+            )
+        return Client(
+            meta=self.meta, brokers=list(self.brokers) or None, token=token or self.token, client_id=client_id
+        )

@@ -48,7 +48,8 @@ class Capacity:
             self._waiting.append(turn)
             try:
                 ready = self._cond.wait_for(
-                    lambda: self.stopped or (self._waiting[0] is turn and self._pull_allowed()), timeout_s)
+                    lambda: self.stopped or (self._waiting[0] is turn and self._pull_allowed()), timeout_s
+                )
             finally:
                 self._waiting.remove(turn)
                 self._cond.notify_all()  # the next in line may go now

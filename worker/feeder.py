@@ -28,8 +28,14 @@ LEFTOVER_BATCH = 256
 
 
 class Feeder:
-    def __init__(self, consumer: Consumer, client: Client, consumer_id: str, capacity: Capacity,
-                 dispatch: Callable[[Feeder, list[Delivery]], None]) -> None:
+    def __init__(
+        self,
+        consumer: Consumer,
+        client: Client,
+        consumer_id: str,
+        capacity: Capacity,
+        dispatch: Callable[[Feeder, list[Delivery]], None],
+    ) -> None:
         self.consumer = consumer
         self.client = client
         self.consumer_id = consumer_id
@@ -90,8 +96,15 @@ class Feeder:
     def _subscribe(self) -> bool:
         c = self.consumer
         try:
-            self.subscription = self.client.subscribe(c.subject, c.group, consumer=self.consumer_id, tags=c.tags,
-                                                      match_all=c.match_all, broadcast=c.broadcast, start=c.start)
+            self.subscription = self.client.subscribe(
+                c.subject,
+                c.group,
+                consumer=self.consumer_id,
+                tags=c.tags,
+                match_all=c.match_all,
+                broadcast=c.broadcast,
+                start=c.start,
+            )
         except ClientError as exc:
             self._trouble(f"cannot subscribe to {c.subject} as {c.group}: {exc}")
             return False

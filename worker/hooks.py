@@ -31,8 +31,15 @@ from worker.outcome import Kind, Outcome
 
 log = logging.getLogger("qmq.worker")
 
-EVENTS = ("worker_ready", "worker_process_init", "before_message", "after_message", "on_retry", "on_failure",
-          "worker_shutting_down")
+EVENTS = (
+    "worker_ready",
+    "worker_process_init",
+    "before_message",
+    "after_message",
+    "on_retry",
+    "on_failure",
+    "worker_shutting_down",
+)
 
 
 class Hooks:

@@ -11,8 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
-def serve(host: str, port: int, registry: CollectorRegistry, health: Callable[[], tuple[bool, str]]
-          ) -> ThreadingHTTPServer:
+def serve(
+    host: str, port: int, registry: CollectorRegistry, health: Callable[[], tuple[bool, str]]
+) -> ThreadingHTTPServer:
     """Start serving; the server's `server_port` is the port bound (0 picks a free one)."""
 
     class Handler(BaseHTTPRequestHandler):

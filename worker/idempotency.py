@@ -65,8 +65,10 @@ def redis_idempotency_step(call: Call, call_next: Next) -> Outcome:
 # connection: SQLAlchemy's statement execution costs more than the round trip itself, and the worker
 # makes one per message (SQLAlchemy's dialect insert().on_conflict_do_nothing() is even compiled
 # anew each time).
-INSERT_IGNORING_DUPLICATES = (f"INSERT INTO {consumed.name} (consumer_group, message_id, subject) "
-                              "VALUES ({0}, {0}, {0}) ON CONFLICT DO NOTHING RETURNING message_id")
+INSERT_IGNORING_DUPLICATES = (
+    f"INSERT INTO {consumed.name} (consumer_group, message_id, subject) "
+    "VALUES ({0}, {0}, {0}) ON CONFLICT DO NOTHING RETURNING message_id"
+)
 ON_CONFLICT_DIALECTS = frozenset({"postgresql", "sqlite"})
 PLACEHOLDERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}  # DB-API paramstyles with positional markers
 
@@ -77,8 +79,9 @@ def record_consumed(connection: Connection, group: str, message_id: str, subject
     if dialect.name in ON_CONFLICT_DIALECTS and dialect.paramstyle in PLACEHOLDERS:
         cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
         try:
-            cursor.execute(INSERT_IGNORING_DUPLICATES.format(PLACEHOLDERS[dialect.paramstyle]),
-                           (group, message_id, subject))
+            cursor.execute(
+                INSERT_IGNORING_DUPLICATES.format(PLACEHOLDERS[dialect.paramstyle]), (group, message_id, subject)
+            )
             return cursor.fetchone() is not None
         finally:
             cursor.close()
@@ -97,8 +100,11 @@ def purge_consumed(engine: Engine, window: timedelta, batch: int = PURGE_BATCH) 
     key = sa.tuple_(consumed.c.consumer_group, consumed.c.message_id)
     total = 0
     while True:
-        victims = sa.select(consumed.c.consumer_group, consumed.c.message_id) \
-            .where(consumed.c.consumed_at < cutoff).limit(batch)
+        victims = (
+            sa.select(consumed.c.consumer_group, consumed.c.message_id)
+            .where(consumed.c.consumed_at < cutoff)
+            .limit(batch)
+        )
         with engine.begin() as connection:
             deleted = connection.execute(consumed.delete().where(key.in_(victims))).rowcount
         total += deleted

@@ -47,8 +47,10 @@ class Liveness:
         reasons = [f"{text} (for {now - since:.0f} s)" for text, since in problems if now - since >= self.timeout_s]
         idle_s = now - self.last_progress
         if (held > 0 or (backlog or 0) > 0) and idle_s >= self.timeout_s:
-            reasons.append(f"no message finished for {idle_s:.0f} s while {held} are held here and "
-                           f"{'an unknown number' if backlog is None else backlog} wait at the brokers")
+            reasons.append(
+                f"no message finished for {idle_s:.0f} s while {held} are held here and "
+                f"{'an unknown number' if backlog is None else backlog} wait at the brokers"
+            )
         if held == 0 and not backlog:
             self.last_progress = now  # nothing to do is not a stall: start counting when work appears
         with self._lock:
@@ -78,8 +80,11 @@ class BacklogProbe:
             except Exception as exc:
                 log.debug("no stats from %s: %s", address, exc)
                 return None
-            total += sum(int(g.get("backlog", 0)) for g in stats.get("groups", ())
-                         if (g.get("subject"), g.get("group")) in wanted)
+            total += sum(
+                int(g.get("backlog", 0))
+                for g in stats.get("groups", ())
+                if (g.get("subject"), g.get("group")) in wanted
+            )
         return total
 
     def _addresses(self, subjects: set[str]) -> set[str]:

@@ -19,8 +19,9 @@ def load_app(spec: str) -> App:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
-            raise AppNotFound(f"cannot import {module_name!r} (is the current directory or PYTHONPATH right?)") \
-                from None
+            raise AppNotFound(
+                f"cannot import {module_name!r} (is the current directory or PYTHONPATH right?)"
+            ) from None
         raise
     value: object = module
     for part in attribute.split("."):

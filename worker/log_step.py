@@ -22,11 +22,23 @@ def logging_step(call: Call, call_next: Next) -> Outcome:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s %s attempt %d: done", call.consumer.name, message.id, message.attempts)
     elif kind is Kind.RETRY:
-        log.warning("%s %s attempt %d failed, retrying in %.1f s: %s", call.consumer.name, message.id,
-                    message.attempts, outcome.delay_s, outcome.reason)
+        log.warning(
+            "%s %s attempt %d failed, retrying in %.1f s: %s",
+            call.consumer.name,
+            message.id,
+            message.attempts,
+            outcome.delay_s,
+            outcome.reason,
+        )
     elif kind is Kind.DEAD:
-        log.error("%s %s attempt %d dead-lettered: %s", call.consumer.name, message.id, message.attempts,
-                  outcome.reason, exc_info=outcome.error)
+        log.error(
+            "%s %s attempt %d dead-lettered: %s",
+            call.consumer.name,
+            message.id,
+            message.attempts,
+            outcome.reason,
+            exc_info=outcome.error,
+        )
     else:
         log.info("%s %s attempt %d: already consumed, skipped", call.consumer.name, message.id, message.attempts)
     return outcome

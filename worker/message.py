@@ -30,5 +30,16 @@ class Message:
 
     @classmethod
     def from_delivery(cls, delivery: Delivery, group: str) -> Message:
-        return cls(delivery.id, delivery.subject, group, delivery.body, delivery.content_type, delivery.tags,
-                   delivery.key, delivery.headers, delivery.attempt, delivery.created_at, delivery.stored_at)
+        return cls(
+            delivery.id,
+            delivery.subject,
+            group,
+            delivery.body,
+            delivery.content_type,
+            delivery.tags,
+            delivery.key,
+            delivery.headers,
+            delivery.attempt,
+            delivery.created_at,
+            delivery.stored_at,
+        )

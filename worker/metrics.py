@@ -50,19 +50,29 @@ class WorkerMetrics:
         r = self.registry
         self.received = Counter("qmq_worker_messages_received", "Messages pulled", LABELS, registry=r)
         self.succeeded = Counter("qmq_worker_messages_succeeded", "Messages handled and acked", LABELS, registry=r)
-        self.duplicate = Counter("qmq_worker_messages_duplicate", "Deliveries skipped by idempotency", LABELS,
-                                 registry=r)
-        self.retried = Counter("qmq_worker_messages_retried", "Deliveries that failed and will come again", LABELS,
-                               registry=r)
-        self.dead = Counter("qmq_worker_messages_dead_lettered", "Messages sent to the dead letters", LABELS,
-                            registry=r)
-        self.in_flight = Gauge("qmq_worker_messages_in_flight", "Received, not yet acked or nacked", LABELS,
-                               registry=r)
-        self.duration = Histogram("qmq_worker_handler_duration_seconds", "Time in the steps and the handler",
-                                  LABELS, buckets=DURATION_BUCKETS_S, registry=r)
+        self.duplicate = Counter(
+            "qmq_worker_messages_duplicate", "Deliveries skipped by idempotency", LABELS, registry=r
+        )
+        self.retried = Counter(
+            "qmq_worker_messages_retried", "Deliveries that failed and will come again", LABELS, registry=r
+        )
+        self.dead = Counter(
+            "qmq_worker_messages_dead_lettered", "Messages sent to the dead letters", LABELS, registry=r
+        )
+        self.in_flight = Gauge("qmq_worker_messages_in_flight", "Received, not yet acked or nacked", LABELS, registry=r)
+        self.duration = Histogram(
+            "qmq_worker_handler_duration_seconds",
+            "Time in the steps and the handler",
+            LABELS,
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
+        )
         self.healthy = Gauge("qmq_worker_healthy", "1 while the worker is live (see /healthz)", registry=r)
-        self.last_progress = Gauge("qmq_worker_last_progress_timestamp_seconds",
-                                   "When the worker last finished a message or found nothing to do", registry=r)
+        self.last_progress = Gauge(
+            "qmq_worker_last_progress_timestamp_seconds",
+            "When the worker last finished a message or found nothing to do",
+            registry=r,
+        )
         self.healthy.set(1)
         self._consumers: dict[str, ConsumerMetrics] = {}
 

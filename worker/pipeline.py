@@ -27,8 +27,15 @@ def run_handler(call: Call) -> Outcome:
 
 
 def inner_chain(consumer: Consumer) -> Next:
-    steps: list[Step] = [hooks_step, retry_step, *consumer.app.steps, redis_idempotency_step, transaction_step,
-                         sql_idempotency_step, time_limit_step]
+    steps: list[Step] = [
+        hooks_step,
+        retry_step,
+        *consumer.app.steps,
+        redis_idempotency_step,
+        transaction_step,
+        sql_idempotency_step,
+        time_limit_step,
+    ]
     return chain(steps, run_handler)
 
 

@@ -154,8 +154,9 @@ class ProcessPool(Pool):
         from worker.child import child_main
 
         parent_end, child_end = self._context.Pipe()
-        process = self._context.Process(target=child_main, args=(self.app_spec, child_end, self.log_level),
-                                        name=f"qmq-pool-{index}", daemon=True)
+        process = self._context.Process(
+            target=child_main, args=(self.app_spec, child_end, self.log_level), name=f"qmq-pool-{index}", daemon=True
+        )
         with self._lock:
             process.start()
         child_end.close()
@@ -189,8 +190,9 @@ class Child:
             return self.conn.recv()
         except (EOFError, OSError) as exc:
             self.process.join(1.0)
-            raise WorkerLost(f"pool process {self.process.pid} died (exit code {self.process.exitcode}) "
-                             f"while handling this message") from exc
+            raise WorkerLost(
+                f"pool process {self.process.pid} died (exit code {self.process.exitcode}) while handling this message"
+            ) from exc
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):

@@ -64,8 +64,9 @@ class RetryPolicy:
         reason = describe(exc)
         if isinstance(exc, Reject):
             return Outcome(Kind.DEAD, reason=reason, error=exc)
-        if not isinstance(exc, Retry) and (not isinstance(exc, self.autoretry_for)
-                                           or isinstance(exc, self.dont_autoretry_for)):
+        if not isinstance(exc, Retry) and (
+            not isinstance(exc, self.autoretry_for) or isinstance(exc, self.dont_autoretry_for)
+        ):
             return Outcome(Kind.DEAD, reason=f"not retried: {reason}", error=exc)
         if self.exhausted(attempts):
             return Outcome(Kind.DEAD, reason=f"gave up after {attempts} attempts: {reason}", error=exc)

@@ -88,8 +88,9 @@ def expand_hostname(template: str) -> str:
 
 
 class Worker:
-    def __init__(self, app: App, options: WorkerOptions | None = None,
-                 on_ready: Callable[[Worker], None] | None = None) -> None:
+    def __init__(
+        self, app: App, options: WorkerOptions | None = None, on_ready: Callable[[Worker], None] | None = None
+    ) -> None:
         self.app = app
         self.options = options = options or WorkerOptions()
         self.on_ready = on_ready
@@ -109,7 +110,8 @@ class Worker:
         self.pool: Pool = self._make_pool()
         self.http: ThreadingHTTPServer | None = None
         self._bound: dict[int, ConsumerMetrics] = {
-            id(c): self.metrics.consumer(c.subject, c.group) for c in self.consumers}
+            id(c): self.metrics.consumer(c.subject, c.group) for c in self.consumers
+        }
         self._done = threading.Event()
         self._exit_code = 0
 
@@ -232,8 +234,13 @@ class Worker:
             self._start_purge()
 
     def _ready(self) -> None:
-        log.info("worker %s ready: %d consumers, pool %s, concurrency %d", self.hostname, len(self.feeders),
-                 self.options.pool, self.concurrency)
+        log.info(
+            "worker %s ready: %d consumers, pool %s, concurrency %d",
+            self.hostname,
+            len(self.feeders),
+            self.options.pool,
+            self.concurrency,
+        )
         self.app.hooks.fire("worker_ready", self)
         if self.on_ready is not None:
             try:
@@ -254,8 +261,11 @@ class Worker:
             c = feeder.consumer
             wanted.add((c.subject, broadcast_group_key(c.group, feeder.consumer_id) if c.broadcast else c.group))
         backlog = probe.backlog(wanted)
-        problems = [(f.problem or "pull loop stopped", f.problem_since or now) for f in self.feeders
-                    if f.problem is not None or not f.alive]
+        problems = [
+            (f.problem or "pull loop stopped", f.problem_since or now)
+            for f in self.feeders
+            if f.problem is not None or not f.alive
+        ]
         was = self.liveness.healthy
         healthy = self.liveness.check(time.monotonic(), self.capacity.held, backlog, problems)
         self.metrics.healthy.set(1 if healthy else 0)
@@ -280,8 +290,10 @@ class Worker:
         threading.Thread(target=purge, name="qmq-purge", daemon=True).start()
 
     def _warm_shutdown(self) -> None:
-        log.warning("warm shutdown: no more pulls; finishing %d messages held (Ctrl-C again or SIGQUIT for a cold "
-                    "shutdown)", self.capacity.held)
+        log.warning(
+            "warm shutdown: no more pulls; finishing %d messages held (Ctrl-C again or SIGQUIT for a cold shutdown)",
+            self.capacity.held,
+        )
         self.app.hooks.fire("worker_shutting_down", self, "warm")
         self.capacity.stop()
         for feeder in self.feeders:
@@ -302,8 +314,11 @@ class Worker:
     def _cold_watch(self) -> None:
         self.shutdown.cold.wait()
         sig = self.shutdown.cold_signal
-        log.warning("cold shutdown (%s): stopping now; %d messages held are not acknowledged and will be delivered "
-                    "again", sig.name, self.capacity.held)
+        log.warning(
+            "cold shutdown (%s): stopping now; %d messages held are not acknowledged and will be delivered again",
+            sig.name,
+            self.capacity.held,
+        )
         self.app.hooks.fire("worker_shutting_down", self, "cold")
         self.pool.kill()
         flusher = threading.Thread(target=self._flush, daemon=True)
@@ -335,8 +350,9 @@ def settle(feeder: Feeder, delivery: Delivery, outcome: Outcome) -> None:
     if outcome.kind in (Kind.ACK, Kind.DUPLICATE):
         subscription.ack(delivery)
     elif outcome.kind is Kind.RETRY:
-        subscription.nack(delivery, outcome.delay_s, reason=outcome.reason,
-                          max_attempts=feeder.consumer.retry.max_attempts)
+        subscription.nack(
+            delivery, outcome.delay_s, reason=outcome.reason, max_attempts=feeder.consumer.retry.max_attempts
+        )
     else:
         subscription.nack(delivery, 0.0, dead=True, reason=outcome.reason)
 

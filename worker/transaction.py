@@ -24,8 +24,7 @@ def transaction_step(call: Call, call_next: Next) -> Outcome:
     with consumer.app.engine.connect() as connection:
         transaction = connection.begin()
         call.connection = connection
-        session = call.session = Session(bind=connection, expire_on_commit=False) if consumer.wants_session \
-            else None
+        session = call.session = Session(bind=connection, expire_on_commit=False) if consumer.wants_session else None
         try:
             outcome = call_next(call)
             if session is not None:

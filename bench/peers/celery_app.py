@@ -19,8 +19,11 @@ PREFIX = os.environ.get("BENCH_CELERY_PREFIX", "qmq-peers:celery:")
 LATENCY_KEY = PREFIX + "latency-ms"
 
 app = Celery("qmq_peers", broker=BROKER_URL)
-app.conf.update(broker_transport_options={"global_keyprefix": PREFIX}, task_ignore_result=True,
-                broker_connection_retry_on_startup=True)
+app.conf.update(
+    broker_transport_options={"global_keyprefix": PREFIX},
+    task_ignore_result=True,
+    broker_connection_retry_on_startup=True,
+)
 _latency_client: redis.Redis | None = None
 
 

@@ -36,10 +36,11 @@ POLL_S = 0.02
 # (-c = 2 cores, prefetch multiplier 4) was slower here: about 680 tasks/s and p50 19 ms at 200/s.
 WORKER_FLAGS = ("-P", "threads", "-c", "8", "--prefetch-multiplier", "16")
 TASK_LATENCY_RATE = 200  # tasks/s: Celery executes about 1,000/s here, so 1,000/s would measure its queue
-DURABILITY = ('none: Redis with appendonly no, save "" keeps the queue in memory only; Celery acks a task '
-              "before running it (its default)")
-QMQ_DURABILITY = ("fsync before every reply (--flush sync); the worker acks after the handler returned "
-                  "(at least once)")
+DURABILITY = (
+    'none: Redis with appendonly no, save "" keeps the queue in memory only; Celery acks a task '
+    "before running it (its default)"
+)
+QMQ_DURABILITY = "fsync before every reply (--flush sync); the worker acks after the handler returned (at least once)"
 
 
 class CeleryWorker:
@@ -51,9 +52,25 @@ class CeleryWorker:
         self.app = app
         self.name = f"peers-{uuid.uuid4().hex[:6]}@{HOST}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "bench.peers.celery_app", "worker", "-Q",
-             f"{IDLE_QUEUE},{LATENCY_QUEUE}", "-n", self.name, "-l", "WARNING", *WORKER_FLAGS],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)  # its banner
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "bench.peers.celery_app",
+                "worker",
+                "-Q",
+                f"{IDLE_QUEUE},{LATENCY_QUEUE}",
+                "-n",
+                self.name,
+                "-l",
+                "WARNING",
+                *WORKER_FLAGS,
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+        )  # its banner
         deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
         while not app.control.ping(destination=[self.name], timeout=0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -90,9 +107,14 @@ def measure_celery(options: Options, body: object) -> Measurement:
 
     from bench.peers.celery_app import LATENCY_KEY, noop, stamp
 
-    result = Measurement(f"Celery {celery.__version__} on Redis", "no: in memory", DURABILITY,
-                         f"real `celery worker {' '.join(WORKER_FLAGS)}`, no result backend; apply_async one at a "
-                         f"time; latency at {TASK_LATENCY_RATE}/s", kind="tasks")
+    result = Measurement(
+        f"Celery {celery.__version__} on Redis",
+        "no: in memory",
+        DURABILITY,
+        f"real `celery worker {' '.join(WORKER_FLAGS)}`, no result backend; apply_async one at a "
+        f"time; latency at {TASK_LATENCY_RATE}/s",
+        kind="tasks",
+    )
     client = redis.Redis(host=HOST, port=PORT)
     worker = CeleryWorker()
     try:
@@ -105,9 +127,10 @@ def measure_celery(options: Options, body: object) -> Measurement:
         wait_until_empty(client, BENCH_QUEUE, DRAIN_TIMEOUT_S)
         result.consume = options.messages / (time.perf_counter() - started)
 
-        total = paced_blocking(lambda stamped: stamp.apply_async((STAMP.unpack_from(stamped)[0],),
-                                                                 queue=LATENCY_QUEUE),
-                               replace(options, latency_rate=TASK_LATENCY_RATE))
+        total = paced_blocking(
+            lambda stamped: stamp.apply_async((STAMP.unpack_from(stamped)[0],), queue=LATENCY_QUEUE),
+            replace(options, latency_rate=TASK_LATENCY_RATE),
+        )
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while client.llen(LATENCY_KEY) < total:
             if time.monotonic() > deadline:
@@ -126,9 +149,14 @@ def measure_celery(options: Options, body: object) -> Measurement:
 def measure_qmq_worker(options: Options) -> Measurement:
     from bench import workers as worker_bench
 
-    result = Measurement("qmq worker", "yes: group commit", QMQ_DURABILITY,
-                         f"real `qmq worker {' '.join(WORKER_FLAGS)}` on a `qmq broker --flush sync`; "
-                         f"Client.send in batches; latency at {TASK_LATENCY_RATE}/s", kind="tasks")
+    result = Measurement(
+        "qmq worker",
+        "yes: group commit",
+        QMQ_DURABILITY,
+        f"real `qmq worker {' '.join(WORKER_FLAGS)}` on a `qmq broker --flush sync`; "
+        f"Client.send in batches; latency at {TASK_LATENCY_RATE}/s",
+        kind="tasks",
+    )
     procs = worker_bench.Processes("sync")
     try:
         started = time.perf_counter()

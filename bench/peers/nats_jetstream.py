@@ -35,8 +35,10 @@ from bench.peers.workload import (
 
 PORT = 4222
 URL = f"nats://{HOST}:{PORT}"
-DURABILITY = ("no fsync before PubAck: file storage, written to the page cache and fsynced on a background timer "
-              "(2.9.10 cannot be set to sync every write)")
+DURABILITY = (
+    "no fsync before PubAck: file storage, written to the page cache and fsynced on a background timer "
+    "(2.9.10 cannot be set to sync every write)"
+)
 ACKS_SETTLED_TIMEOUT_S = 10.0
 
 
@@ -74,9 +76,13 @@ async def latency(js: nats.js.JetStreamContext, stream: str, subject: str, optio
 
 
 async def run(options: Options) -> Measurement:
-    result = Measurement("NATS JetStream 2.9", "no: fsync on a timer", DURABILITY,
-                         f"nats-py, file storage, publish_async in batches of {BATCH} x 8 outstanding; pull "
-                         f"fetch {CONSUME_BATCH}, AckAll")
+    result = Measurement(
+        "NATS JetStream 2.9",
+        "no: fsync on a timer",
+        DURABILITY,
+        f"nats-py, file storage, publish_async in batches of {BATCH} x 8 outstanding; pull "
+        f"fetch {CONSUME_BATCH}, AckAll",
+    )
     name = f"QMQPEERS_{uuid.uuid4().hex[:8]}"
     subject, lat_subject = f"qmqpeers.{name}.bench", f"qmqpeers.{name}.lat"
     nc = await nats.connect(URL)

@@ -31,8 +31,7 @@ from bench.peers.workload import (
 )
 from qmq.client import AsyncClient
 
-DURABILITY = ("fsync before every reply (--flush sync, group commit): sends, and the journal entries of pulls "
-              "and acks")
+DURABILITY = "fsync before every reply (--flush sync, group commit): sends, and the journal entries of pulls and acks"
 SYNCED = "yes: group commit"
 LATENCY_PULL_WAIT_S = 2.5
 LATENCY_SUBJECT = "lat"
@@ -72,9 +71,13 @@ def broker() -> Iterator[int]:
 
 
 def measure_client(options: Options) -> Measurement:
-    result = Measurement("qmq broker", SYNCED, DURABILITY,
-                         f"qmq.client.AsyncClient, send batches of {BATCH} x {IN_FLIGHT} outstanding; pull "
-                         f"{CONSUME_BATCH}, ack each (batched by the client)")
+    result = Measurement(
+        "qmq broker",
+        SYNCED,
+        DURABILITY,
+        f"qmq.client.AsyncClient, send batches of {BATCH} x {IN_FLIGHT} outstanding; pull "
+        f"{CONSUME_BATCH}, ack each (batched by the client)",
+    )
     with broker() as port:
         result.produce = asyncio.run(client_produce(port, options.messages, BATCH, options.size, IN_FLIGHT))["rate"]
         result.consume = asyncio.run(client_consume(port, options.messages, CONSUME_BATCH))["rate"]
@@ -83,12 +86,17 @@ def measure_client(options: Options) -> Measurement:
 
 
 def measure_wire(options: Options) -> Measurement:
-    result = Measurement("qmq broker, wire protocol", SYNCED, DURABILITY,
-                         f"qmq.net.aio_client (bench/broker.py), batches of {BATCH}, 2 connections x 4 "
-                         f"outstanding; 2 consumers pulling {CONSUME_BATCH}")
+    result = Measurement(
+        "qmq broker, wire protocol",
+        SYNCED,
+        DURABILITY,
+        f"qmq.net.aio_client (bench/broker.py), batches of {BATCH}, 2 connections x 4 "
+        f"outstanding; 2 consumers pulling {CONSUME_BATCH}",
+    )
     with broker() as port:
-        result.produce = asyncio.run(wire_produce(port, options.messages, BATCH, options.size, connections=2,
-                                                  inflight=IN_FLIGHT // 2))["rate"]
+        result.produce = asyncio.run(
+            wire_produce(port, options.messages, BATCH, options.size, connections=2, inflight=IN_FLIGHT // 2)
+        )["rate"]
         result.consume = asyncio.run(wire_consume(port, options.messages, CONSUME_BATCH))["rate"]
         figures = asyncio.run(wire_latency(port, options.latency_rate, options.latency_seconds, options.size))
     result.p50_ms, result.p99_ms, result.max_ms = figures["p50_ms"], figures["p99_ms"], figures["max_ms"]

@@ -36,7 +36,7 @@ SYNCED = {"quorum": "yes: Raft log fsync", "classic": "yes: message store fsync"
 DURABILITY = {
     "quorum": "fsync before confirm: a quorum queue confirms once its Raft log entry is fsynced (one node)",
     "classic": "fsync before confirm: a persistent message in a durable classic queue is confirmed after the "
-               "message store fsyncs it (batched)",
+    "message store fsyncs it (batched)",
 }
 
 
@@ -48,9 +48,14 @@ async def produce(channel: AbstractChannel, queue: str, options: Options) -> flo
     body = payload(options.size)
 
     async def send_batch(n: int) -> None:
-        await asyncio.gather(*(channel.default_exchange.publish(
-            aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=queue)
-            for _ in range(n)))
+        await asyncio.gather(
+            *(
+                channel.default_exchange.publish(
+                    aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=queue
+                )
+                for _ in range(n)
+            )
+        )
 
     return await pipelined(send_batch, options.messages)
 
@@ -75,8 +80,9 @@ async def consume(connection: aio_pika.abc.AbstractConnection, name: str, queue_
     return total / elapsed
 
 
-async def latency(connection: aio_pika.abc.AbstractConnection, name: str, queue_type: str,
-                  options: Options) -> list[float]:
+async def latency(
+    connection: aio_pika.abc.AbstractConnection, name: str, queue_type: str, options: Options
+) -> list[float]:
     consumer = await connection.channel()
     await consumer.set_qos(prefetch_count=BATCH * 4)
     queue = await declare(consumer, name, queue_type)
@@ -88,8 +94,12 @@ async def latency(connection: aio_pika.abc.AbstractConnection, name: str, queue_
 
     tag = await queue.consume(on_message)
     producer = await connection.channel()
-    total = await paced(lambda body: producer.default_exchange.publish(
-        aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=name), options)
+    total = await paced(
+        lambda body: producer.default_exchange.publish(
+            aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=name
+        ),
+        options,
+    )
     await arrived(delays, total)
     await queue.cancel(tag)
     await producer.close()
@@ -98,9 +108,13 @@ async def latency(connection: aio_pika.abc.AbstractConnection, name: str, queue_
 
 
 async def run(queue_type: str, options: Options) -> Measurement:
-    result = Measurement(f"RabbitMQ 3.10, {queue_type} queue", SYNCED[queue_type], DURABILITY[queue_type],
-                         f"aio-pika, persistent, confirms, batches of {BATCH} x 8 outstanding; "
-                         f"prefetch {CONSUME_BATCH}, ack multiple every {ACK_EVERY}")
+    result = Measurement(
+        f"RabbitMQ 3.10, {queue_type} queue",
+        SYNCED[queue_type],
+        DURABILITY[queue_type],
+        f"aio-pika, persistent, confirms, batches of {BATCH} x 8 outstanding; "
+        f"prefetch {CONSUME_BATCH}, ack multiple every {ACK_EVERY}",
+    )
     name = f"qmq-peers-{queue_type}-{uuid.uuid4().hex[:8]}"
     connection = await aio_pika.connect(URL)
     try:

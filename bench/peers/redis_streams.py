@@ -96,9 +96,12 @@ async def latency(client: aioredis.Redis, stream: str, options: Options) -> list
 
 async def run(options: Options) -> Measurement:
     client = aioredis.Redis.from_url(URL, max_connections=IN_FLIGHT + 2)
-    result = Measurement("Redis 7.0 Streams", *await persistence(client),
-                         f"redis-py asyncio, XADD pipelined {BATCH} x 8 outstanding; XREADGROUP COUNT "
-                         f"{CONSUME_BATCH}, XACK pipelined with the next read")
+    result = Measurement(
+        "Redis 7.0 Streams",
+        *await persistence(client),
+        f"redis-py asyncio, XADD pipelined {BATCH} x 8 outstanding; XREADGROUP COUNT "
+        f"{CONSUME_BATCH}, XACK pipelined with the next read",
+    )
     stream = f"qmq-peers:{uuid.uuid4().hex[:8]}"
     try:
         body = payload(options.size)

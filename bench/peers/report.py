@@ -12,8 +12,19 @@ from pathlib import Path
 from bench.peers.workload import Measurement
 
 REFERENCE = {"messages": "qmq broker", "tasks": "qmq worker"}
-COLUMNS = ("system", "produce/s", "÷qmq", "consume/s", "÷qmq", "p50 ms", "÷qmq", "p99 ms", "÷qmq",
-           "on disk at ack", "load 1m")
+COLUMNS = (
+    "system",
+    "produce/s",
+    "÷qmq",
+    "consume/s",
+    "÷qmq",
+    "p50 ms",
+    "÷qmq",
+    "p99 ms",
+    "÷qmq",
+    "on disk at ack",
+    "load 1m",
+)
 CHART_SIZE_IN = (15, 7)
 LATENCY_AXIS_FROM_MS = 0.1
 
@@ -37,24 +48,43 @@ def rows(run: list[Measurement]) -> list[tuple[str, ...]]:
         if m.error is not None:
             out.append((m.system, "not measured: " + m.error, *[""] * (len(COLUMNS) - 2)))
             continue
-        out.append((m.system, number(m.produce), ratio(m.produce, ref and ref.produce), number(m.consume),
-                    ratio(m.consume, ref and ref.consume), number(m.p50_ms, 2), ratio(m.p50_ms, ref and ref.p50_ms),
-                    number(m.p99_ms, 2), ratio(m.p99_ms, ref and ref.p99_ms), m.synced, f"{m.load[0]:.1f}"))
+        out.append(
+            (
+                m.system,
+                number(m.produce),
+                ratio(m.produce, ref and ref.produce),
+                number(m.consume),
+                ratio(m.consume, ref and ref.consume),
+                number(m.p50_ms, 2),
+                ratio(m.p50_ms, ref and ref.p50_ms),
+                number(m.p99_ms, 2),
+                ratio(m.p99_ms, ref and ref.p99_ms),
+                m.synced,
+                f"{m.load[0]:.1f}",
+            )
+        )
     return out
 
 
 def text_table(run: list[Measurement]) -> str:
     body = rows(run)
-    widths = [max(len(r[i]) for r in [COLUMNS, *body] if not r[i].startswith("not measured")) for i in
-              range(len(COLUMNS))]
-    lines = ["  ".join(c.ljust(w) if i in (0, 9) else c.rjust(w) for i, (c, w) in enumerate(zip(COLUMNS, widths,
-                                                                                               strict=True)))]
+    widths = [
+        max(len(r[i]) for r in [COLUMNS, *body] if not r[i].startswith("not measured")) for i in range(len(COLUMNS))
+    ]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i in (0, 9) else c.rjust(w) for i, (c, w) in enumerate(zip(COLUMNS, widths, strict=True))
+        )
+    ]
     for r in body:
         if r[1].startswith("not measured"):
             lines.append(f"{r[0].ljust(widths[0])}  {r[1]}")
         else:
-            lines.append("  ".join(c.ljust(w) if i in (0, 9) else c.rjust(w)
-                                   for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+            lines.append(
+                "  ".join(
+                    c.ljust(w) if i in (0, 9) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+                )
+            )
     return "\n".join(lines)
 
 
@@ -88,8 +118,11 @@ def chart(runs: list[list[Measurement]], path: Path, conditions: str, note: str 
     systems = list(dict.fromkeys(label(m) for run in measured for m in run))
     figure, axes = plt.subplots(1, 3, figsize=CHART_SIZE_IN, sharey=True)
     height = 0.8 / max(1, len(runs))
-    panels = [("produce: msg/s (tasks published/s)", "produce"), ("consume: msg/s (tasks executed/s)", "consume"),
-              ("end-to-end latency, ms (log): p50 dark, p99 light", "p50_ms")]
+    panels = [
+        ("produce: msg/s (tasks published/s)", "produce"),
+        ("consume: msg/s (tasks executed/s)", "consume"),
+        ("end-to-end latency, ms (log): p50 dark, p99 light", "p50_ms"),
+    ]
     for ax, (title, field) in zip(axes, panels, strict=True):
         for n, run in enumerate(measured):
             by_label = {label(m): m for m in run}
@@ -98,8 +131,14 @@ def chart(runs: list[list[Measurement]], path: Path, conditions: str, note: str 
             ax.barh(ys, values, height, color=f"C{n}", label=f"run {n + 1}")
             if field == "p50_ms":
                 p99 = [by_label[s].p99_ms or 0 if s in by_label else 0 for s in systems]
-                ax.barh(ys, [b - a for a, b in zip(values, p99, strict=True)], height, left=values, color=f"C{n}",
-                        alpha=0.35)
+                ax.barh(
+                    ys,
+                    [b - a for a, b in zip(values, p99, strict=True)],
+                    height,
+                    left=values,
+                    color=f"C{n}",
+                    alpha=0.35,
+                )
                 for y, low, high in zip(ys, values, p99, strict=True):
                     if high:
                         ax.text(high, y, f" {low:.2f} / {high:.1f}", va="center", fontsize=7)

@@ -46,12 +46,20 @@ class System:
 SYSTEMS = {
     "qmq": System("qmq", "qmq_broker", None),
     "rabbitmq": System("RabbitMQ", "rabbitmq", 5672, "rabbitmq-server -detached"),
-    "nats": System("NATS JetStream", "nats_jetstream", 4222,
-                   "start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 "
-                   "-p 4222 -js -sd /var/lib/nats-server"),
+    "nats": System(
+        "NATS JetStream",
+        "nats_jetstream",
+        4222,
+        "start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 "
+        "-p 4222 -js -sd /var/lib/nats-server",
+    ),
     "redis": System("Redis Streams", "redis_streams", 6379, 'redis-server --daemonize yes --port 6379 --save ""'),
-    "celery": System("Celery on Redis (and the qmq worker)", "celery_redis", 6379,
-                     'redis-server --daemonize yes --port 6379 --save ""'),
+    "celery": System(
+        "Celery on Redis (and the qmq worker)",
+        "celery_redis",
+        6379,
+        'redis-server --daemonize yes --port 6379 --save ""',
+    ),
 }
 
 
@@ -93,12 +101,16 @@ def disk() -> str:
 
 def conditions(options: Options) -> str:
     size = "1 KiB" if options.size == 1024 else f"{options.size} B"
-    return (f"{options.messages:,} messages of {size}; latency at {options.latency_rate:,}/s for "
-            f"{options.latency_seconds:g} s; {platform.node()}, {os.cpu_count()} cores")
+    return (
+        f"{options.messages:,} messages of {size}; latency at {options.latency_rate:,}/s for "
+        f"{options.latency_seconds:g} s; {platform.node()}, {os.cpu_count()} cores"
+    )
 
 
-CHART_NOTE = ("Tasks: a no-op task with a ~100-byte argument, both workers -P threads -c 8, latency at 200/s. "
-              "Ratios and durability: see docs/benchmarks.md. Other developers' work ran on the same 2 cores and disk.")
+CHART_NOTE = (
+    "Tasks: a no-op task with a ~100-byte argument, both workers -P threads -c 8, latency at 200/s. "
+    "Ratios and durability: see docs/benchmarks.md. Other developers' work ran on the same 2 cores and disk."
+)
 
 
 def main() -> None:
@@ -139,13 +151,18 @@ def main() -> None:
             runs.append(run)
             print(f"\n# run {n + 1} done ({uptime()}; {disk()})\n{report.text_table(run)}\n", flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps({"conditions": title, "runs": [[dataclasses.asdict(m) for m in run]
-                                                                                 for run in runs]}, indent=1))
+            Path(args.json).write_text(
+                json.dumps(
+                    {"conditions": title, "runs": [[dataclasses.asdict(m) for m in run] for run in runs]}, indent=1
+                )
+            )
     if args.from_json or len(runs) > 1:
         for n, run in enumerate(runs, 1):
             print(f"Run {n}:\n{report.text_table(run)}\n")
-    print("Ratios (÷qmq) are the system's figure over qmq's in the same run: above 1 is faster for throughput, "
-          "slower for latency. Durability and setup:")
+    print(
+        "Ratios (÷qmq) are the system's figure over qmq's in the same run: above 1 is faster for throughput, "
+        "slower for latency. Durability and setup:"
+    )
     print(report.durability([m for m in runs[-1] if m.error is None]))
     if args.markdown:
         print("\n" + report.markdown(runs))

@@ -108,8 +108,9 @@ def latency_figures(delays_ms: list[float]) -> tuple[float, float, float]:
     return ordered[n // 2], ordered[min(n - 1, int(n * 0.99))], ordered[-1]
 
 
-async def pipelined(send_batch: Callable[[int], Awaitable[None]], total: int, batch: int = BATCH,
-                    in_flight: int = IN_FLIGHT) -> float:
+async def pipelined(
+    send_batch: Callable[[int], Awaitable[None]], total: int, batch: int = BATCH, in_flight: int = IN_FLIGHT
+) -> float:
     """msg/s for `total` messages sent as batches, `in_flight` outstanding at once; `send_batch(n)`
     returns once the server acknowledged all `n`."""
     remaining = total

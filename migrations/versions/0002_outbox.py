@@ -41,10 +41,16 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
         sa.CheckConstraint("state IN ('pending', 'sent')", name="ck_qmq_outbox_state"),
     )
-    op.create_index("ix_qmq_outbox_pending", "qmq_outbox", ["next_attempt_at"], postgresql_where=PENDING_WHERE,
-                    sqlite_where=PENDING_WHERE)
-    op.create_index("ix_qmq_outbox_sent_at", "qmq_outbox", ["sent_at"], postgresql_where=SENT_WHERE,
-                    sqlite_where=SENT_WHERE)
+    op.create_index(
+        "ix_qmq_outbox_pending",
+        "qmq_outbox",
+        ["next_attempt_at"],
+        postgresql_where=PENDING_WHERE,
+        sqlite_where=PENDING_WHERE,
+    )
+    op.create_index(
+        "ix_qmq_outbox_sent_at", "qmq_outbox", ["sent_at"], postgresql_where=SENT_WHERE, sqlite_where=SENT_WHERE
+    )
     if op.get_bind().dialect.name == "postgresql":
         op.execute("ALTER TABLE qmq_outbox SET (fillfactor = 70)")  # HOT claims (qmq/outbox/schema.py)
 

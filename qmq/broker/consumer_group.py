@@ -83,8 +83,13 @@ class ConsumerGroup:
     def to_state(self) -> dict:
         """A msgpack-able copy, for snapshots (times last seen are not kept: after a restart every
         consumer gets the whole timeout to come back)."""
-        return {"subject": self.subject, "group": self.group, "cursor": self.cursor, "broadcast": self.broadcast,
-                "consumers": {cid: c.pull_log.to_state() for cid, c in self.consumers.items()}}
+        return {
+            "subject": self.subject,
+            "group": self.group,
+            "cursor": self.cursor,
+            "broadcast": self.broadcast,
+            "consumers": {cid: c.pull_log.to_state() for cid, c in self.consumers.items()},
+        }
 
     @classmethod
     def from_state(cls, state: dict, now: float) -> ConsumerGroup:
@@ -106,8 +111,9 @@ class ConsumerGroup:
         elif isinstance(action, Reset):
             self.cursor = action.cursor
 
-    def pull(self, consumer_id: str, client_pulled: int, max_count: int, read: Reader,
-             now: float) -> tuple[Delivery, Pull | None]:
+    def pull(
+        self, consumer_id: str, client_pulled: int, max_count: int, read: Reader, now: float
+    ) -> tuple[Delivery, Pull | None]:
         """Hand `consumer_id` up to `max_count` messages. `client_pulled` is the last pull sequence the
         consumer has received (-1 for none, as after a restart). Returns the delivery and the action
         to journal (None when nothing changed); the action is already applied."""

@@ -21,24 +21,34 @@ if TYPE_CHECKING:
 
 REGISTRY = new_registry()
 ERRORS = Counter(
-    "qmq_broker_request_errors_total", "Requests answered with an error frame", ["request", "error"],
+    "qmq_broker_request_errors_total",
+    "Requests answered with an error frame",
+    ["request", "error"],
     registry=REGISTRY,
 )
 BACKLOG = Gauge(
-    "qmq_broker_backlog", "Messages not yet handed to any consumer of the group", ["subject", "group"],
+    "qmq_broker_backlog",
+    "Messages not yet handed to any consumer of the group",
+    ["subject", "group"],
     registry=REGISTRY,
 )
 IN_FLIGHT = Gauge(
-    "qmq_broker_in_flight", "Messages handed out and not acknowledged", ["subject", "group"],
+    "qmq_broker_in_flight",
+    "Messages handed out and not acknowledged",
+    ["subject", "group"],
     registry=REGISTRY,
 )
 RETRYING = Gauge(
-    "qmq_broker_retrying", "Messages waiting for a retry or in the retry subject", ["subject", "group"],
+    "qmq_broker_retrying",
+    "Messages waiting for a retry or in the retry subject",
+    ["subject", "group"],
     registry=REGISTRY,
 )
 DEAD = Gauge("qmq_broker_dead", "Dead letters not re-driven", ["subject", "group"], registry=REGISTRY)
 SUBJECT_MESSAGES = Gauge(
-    "qmq_broker_subject_messages", "Messages ever stored in the subject", ["subject"],
+    "qmq_broker_subject_messages",
+    "Messages ever stored in the subject",
+    ["subject"],
     registry=REGISTRY,
 )
 READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only", registry=REGISTRY)

@@ -57,11 +57,23 @@ async def serve_broker(
         metrics.update(service)
         membership = None
         if meta:
-            membership = Membership(meta, kind="broker", group=service.group_name, address=address, token=token,
-                                    on_read_only=lambda ro: _set_read_only(service, ro))
+            membership = Membership(
+                meta,
+                kind="broker",
+                group=service.group_name,
+                address=address,
+                token=token,
+                on_read_only=lambda ro: _set_read_only(service, ro),
+            )
             membership.start()
-        log.info("broker group %s ready on %s (data %s, flush %s%s)", service.group_name, address, data_dir,
-                 flush, f", meta {meta}" if meta else ", no meta server")
+        log.info(
+            "broker group %s ready on %s (data %s, flush %s%s)",
+            service.group_name,
+            address,
+            data_dir,
+            flush,
+            f", meta {meta}" if meta else ", no meta server",
+        )
         await stop.wait()
         log.info("shutting down")
         if membership is not None:

@@ -93,8 +93,10 @@ def _int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> 
 
 def _group(value: Any) -> str:
     if not isinstance(value, str) or not GROUP_RE.fullmatch(value) or len(value) > MAX_GROUP_KEY_LEN:
-        raise _bad(f"group {value!r} must be 1-{MAX_GROUP_KEY_LEN} letters, digits, '.', '_' or '-', "
-                   "starting with a letter or digit")
+        raise _bad(
+            f"group {value!r} must be 1-{MAX_GROUP_KEY_LEN} letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
     return value
 
 
@@ -110,9 +112,17 @@ def broadcast_key(group: str, consumer: str) -> str:
 
 
 class BrokerService:
-    def __init__(self, store: LogStore, *, group_name: str = "", state_dir: Path | None = None,
-                 consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-                 limits: Limits = DEFAULT_LIMITS, clock: Clock = time.time) -> None:
+    def __init__(
+        self,
+        store: LogStore,
+        *,
+        group_name: str = "",
+        state_dir: Path | None = None,
+        consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        limits: Limits = DEFAULT_LIMITS,
+        clock: Clock = time.time,
+    ) -> None:
         self.store = store
         self.group_name = group_name
         self.state_dir = state_dir or store.data_dir / "consumers"
@@ -149,8 +159,12 @@ class BrokerService:
         state = BrokerState.from_snapshot(saved, now) if saved else BrokerState()
         first = self.store.first_seq(ACTION_SUBJECT)
         if state.journal_seq < first:
-            log.error("the journal before sequence %d was removed by retention but the snapshot covers only "
-                      "up to %d: consumer positions may go back", first, state.journal_seq)
+            log.error(
+                "the journal before sequence %d was removed by retention but the snapshot covers only "
+                "up to %d: consumer positions may go back",
+                first,
+                state.journal_seq,
+            )
         seq, replayed = state.journal_seq, 0
         while True:
             result = self.store.read(ACTION_SUBJECT, seq, REPLAY_BATCH)
@@ -162,8 +176,12 @@ class BrokerService:
                 break
             seq = result.next_seq
         state.journal_seq = seq
-        log.info("consumption state: %d groups, %d pending retries, %d journal entries replayed",
-                 len(state.groups), len(state.retries), replayed)
+        log.info(
+            "consumption state: %d groups, %d pending retries, %d journal entries replayed",
+            len(state.groups),
+            len(state.retries),
+            replayed,
+        )
         return state
 
     def start(self) -> None:
@@ -226,8 +244,11 @@ class BrokerService:
         for entry in due:
             record = self._record_at(entry.offset)
             if record is None:
-                log.warning("retry %d of %s: its message was removed by retention before it came due",
-                            entry.id, entry.retry_subject)
+                log.warning(
+                    "retry %d of %s: its message was removed by retention before it came due",
+                    entry.id,
+                    entry.retry_subject,
+                )
                 continue
             message = wrap(record, entry.retry_subject, entry.attempt, entry.reason)
             messages.append(message)
@@ -263,15 +284,19 @@ class BrokerService:
                     original = unwrap(record)
                     attempt = original.attempt + 1
                     reason = f"consumer {release.consumer} went silent"
-                    to = (dead_subject if attempt > self.max_attempts else retry_subject)(original.subject,
-                                                                                          group.group)
+                    to = (dead_subject if attempt > self.max_attempts else retry_subject)(original.subject, group.group)
                     messages.append(wrap(record, to, attempt, reason))
                 if messages:
                     self.store.append(messages)
                 self._apply_and_commit([GroupAction(group.subject, group.group, release)])
-                log.warning("consumer %s of group %s on %s silent for %g s: %d unacked messages go back to the "
-                            "group", release.consumer, group.group, group.subject, self.consumer_timeout_s,
-                            len(messages))
+                log.warning(
+                    "consumer %s of group %s on %s silent for %g s: %d unacked messages go back to the group",
+                    release.consumer,
+                    group.group,
+                    group.subject,
+                    self.consumer_timeout_s,
+                    len(messages),
+                )
                 self._wake({user_subject(group.subject)})
                 moved += len(messages)
         return moved
@@ -280,8 +305,7 @@ class BrokerService:
 
     def _commit(self, entries: list[Entry]) -> int:
         """Journal `entries`, already applied; the log offset whose durability covers them."""
-        appended = self.store.append([Message(ACTION_SUBJECT, f"%a{self.state.journal_seq}",
-                                              journal.encode(entries))])
+        appended = self.store.append([Message(ACTION_SUBJECT, f"%a{self.state.journal_seq}", journal.encode(entries))])
         self.state.journal_seq = appended[0].seq + 1
         return appended[0].end
 
@@ -315,8 +339,9 @@ class BrokerService:
                 log.error("request %s from %s: the store cannot take it: %s", name, peer, exc)
                 raise RemoteError(ErrorCode.UNAVAILABLE, f"the broker's store cannot take this now: {exc}") from None
         except (ProtocolError, RemoteError) as exc:
-            metrics.ERRORS.labels(name, ErrorCode(exc.code).name if exc.code in ErrorCode._value2member_map_
-                                  else str(exc.code)).inc()
+            metrics.ERRORS.labels(
+                name, ErrorCode(exc.code).name if exc.code in ErrorCode._value2member_map_ else str(exc.code)
+            ).inc()
             if isinstance(exc, ProtocolError) and exc.fatal:
                 log.warning("%s: %s", peer, exc)
             raise
@@ -405,8 +430,10 @@ class BrokerService:
                 raise _bad(f"pulled must map stored subjects to pull sequences, got {stored!r}: {last!r}")
         key = broadcast_key(group, consumer) if broadcast else group
         if len(retry_subject(subject, key)) > self.limits.max_subject_len:
-            raise _bad(f"subject {subject!r} and group {key!r} together are too long for the retry subject "
-                       f"(at most {self.limits.max_subject_len} characters)")
+            raise _bad(
+                f"subject {subject!r} and group {key!r} together are too long for the retry subject "
+                f"(at most {self.limits.max_subject_len} characters)"
+            )
         deadline = asyncio.get_running_loop().time() + wait_ms / 1000
         while True:
             batches, end = self._take(subject, key, consumer, max_count, tags, match_all, broadcast, start, pulled)
@@ -427,23 +454,45 @@ class BrokerService:
             finally:
                 self._waiters.get(subject, set()).discard(future)
 
-    def _take(self, subject: str, key: str, consumer: str, max_count: int, tags: tuple[str, ...],
-              match_all: bool, broadcast: bool, start: str, pulled: dict) -> tuple[list[dict], int | None]:
+    def _take(
+        self,
+        subject: str,
+        key: str,
+        consumer: str,
+        max_count: int,
+        tags: tuple[str, ...],
+        match_all: bool,
+        broadcast: bool,
+        start: str,
+        pulled: dict,
+    ) -> tuple[list[dict], int | None]:
         """Hand `consumer` the next messages: due retries first, then the subject. Returns the batches
         and the log offset to await before replying (None when nothing was journalled). Whatever was
         applied is journalled, even when a read fails half-way."""
         entries: list[Entry] = []
         batches: list[dict] = []
         try:
-            self._take_into(entries, batches, subject, key, consumer, max_count, tags, match_all, broadcast, start,
-                            pulled)
+            self._take_into(
+                entries, batches, subject, key, consumer, max_count, tags, match_all, broadcast, start, pulled
+            )
         finally:
             end = self._commit(entries) if entries else None
         return batches, end
 
-    def _take_into(self, entries: list[Entry], batches: list[dict], subject: str, key: str, consumer: str,
-                   max_count: int, tags: tuple[str, ...], match_all: bool, broadcast: bool, start: str,
-                   pulled: dict) -> None:
+    def _take_into(
+        self,
+        entries: list[Entry],
+        batches: list[dict],
+        subject: str,
+        key: str,
+        consumer: str,
+        max_count: int,
+        tags: tuple[str, ...],
+        match_all: bool,
+        broadcast: bool,
+        start: str,
+        pulled: dict,
+    ) -> None:
         now = self.clock()
         remaining = max_count
         retry = retry_subject(subject, key)
@@ -452,8 +501,11 @@ class BrokerService:
             if group is None:
                 if stored == retry and not self.store.next_seq(retry):
                     continue
-                cursor = 0 if stored == retry else (
-                    self.store.first_seq(subject) if start == "earliest" else self.store.next_seq(subject))
+                cursor = (
+                    0
+                    if stored == retry
+                    else (self.store.first_seq(subject) if start == "earliest" else self.store.next_seq(subject))
+                )
                 create = Create(stored, key, cursor, broadcast)
                 self.state.apply(create, now)
                 entries.append(create)
@@ -473,8 +525,15 @@ class BrokerService:
                 entries.append(GroupAction(stored, key, action))
             if handed.seqs:
                 records = [fresh[s] for s in handed.seqs] if not handed.resent else self._records(stored, handed.seqs)
-                batches.append({"subject": stored, "group": key, "first_pull": handed.first_pull,
-                                "resent": handed.resent, "messages": [delivery(r) for r in records]})
+                batches.append(
+                    {
+                        "subject": stored,
+                        "group": key,
+                        "first_pull": handed.first_pull,
+                        "resent": handed.resent,
+                        "messages": [delivery(r) for r in records],
+                    }
+                )
                 remaining -= len(handed.seqs)
 
     def _records(self, stored: str, seqs: list[int]) -> list[rec.Record]:
@@ -503,8 +562,12 @@ class BrokerService:
         acks = _get(body, "acks", list)
         error: ProtocolError | None = None
         for item in acks:  # all checked before any is applied
-            if (not isinstance(item, list | tuple) or len(item) != 4 or not isinstance(item[3], int)
-                    or isinstance(item[3], bool)):
+            if (
+                not isinstance(item, list | tuple)
+                or len(item) != 4
+                or not isinstance(item[3], int)
+                or isinstance(item[3], bool)
+            ):
                 raise _bad("each ack must be [subject, group, consumer, last_pull]")
             _consumer(item[2])
             self._known_group(item[0], item[1])
@@ -569,8 +632,16 @@ class BrokerService:
                 outcomes.append(["dead", None])
             else:
                 due_ms = int(now * 1000) + delay_ms
-                entries.append(Schedule(self.state.retries.next_id + len(entries), due_ms, record.offset,
-                                        attempt + 1, retry_subject(original.subject, key), reason))
+                entries.append(
+                    Schedule(
+                        self.state.retries.next_id + len(entries),
+                        due_ms,
+                        record.offset,
+                        attempt + 1,
+                        retry_subject(original.subject, key),
+                        reason,
+                    )
+                )
                 outcomes.append(["retry", due_ms])
         end = 0
         if dead:
@@ -641,8 +712,9 @@ class BrokerService:
         while seq < end:
             result = self.store.read(dead, seq, 256)
             if result.records:
-                appended = self.store.append([wrap(r, retry_subject(subject, group), 1, "re-driven")
-                                              for r in result.records])
+                appended = self.store.append(
+                    [wrap(r, retry_subject(subject, group), 1, "re-driven") for r in result.records]
+                )
                 last = appended[-1].end
                 count += len(result.records)
             if result.next_seq == seq:
@@ -671,17 +743,23 @@ class BrokerService:
             retry_end = subjects.get(retry, 0)
             retry_backlog = retry_group.backlog(retry_end) if retry_group else retry_end
             dead = dead_subject(stored, key)
-            groups.append({
-                "subject": stored, "group": key,
-                "backlog": group.backlog(subjects.get(stored, 0)) + retry_backlog,
-                "in_flight": group.in_flight() + (retry_group.in_flight() if retry_group else 0),
-                "retrying": self.state.retries.pending_for(retry) + retry_backlog,
-                "dead": subjects.get(dead, 0) - self.state.redriven.get(dead, 0),
-                "consumers": len(group.consumers),
-            })
-        return {"group": self.group_name, "read_only": self.read_only,
-                "subjects": {s: {"stored": n} for s, n in subjects.items() if not s.startswith("%")},
-                "groups": groups}
+            groups.append(
+                {
+                    "subject": stored,
+                    "group": key,
+                    "backlog": group.backlog(subjects.get(stored, 0)) + retry_backlog,
+                    "in_flight": group.in_flight() + (retry_group.in_flight() if retry_group else 0),
+                    "retrying": self.state.retries.pending_for(retry) + retry_backlog,
+                    "dead": subjects.get(dead, 0) - self.state.redriven.get(dead, 0),
+                    "consumers": len(group.consumers),
+                }
+            )
+        return {
+            "group": self.group_name,
+            "read_only": self.read_only,
+            "subjects": {s: {"stored": n} for s, n in subjects.items() if not s.startswith("%")},
+            "groups": groups,
+        }
 
 
 @functools.cache

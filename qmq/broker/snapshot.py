@@ -33,7 +33,7 @@ def load(directory: Path) -> dict[str, Any] | None:
     if len(data) < HEADER.size:
         raise SnapshotError(f"{path}: truncated snapshot ({len(data)} bytes)")
     crc, length = HEADER.unpack_from(data)
-    body = data[HEADER.size:]
+    body = data[HEADER.size :]
     if len(body) != length or zlib.crc32(body) != crc:
         raise SnapshotError(f"{path}: snapshot fails its CRC check (expected {length} bytes, have {len(body)})")
     return msgpack.unpackb(body, raw=False, strict_map_key=False)

@@ -35,8 +35,9 @@ class BrokerState:
             if not isinstance(entry.action, Reset) and entry.action.consumer in group.consumers:
                 group.consumers[entry.action.consumer].last_seen = now
         elif isinstance(entry, Create):
-            self.groups[(entry.subject, entry.key)] = ConsumerGroup(entry.subject, entry.key, entry.cursor,
-                                                                    entry.broadcast)
+            self.groups[(entry.subject, entry.key)] = ConsumerGroup(
+                entry.subject, entry.key, entry.cursor, entry.broadcast
+            )
         elif isinstance(entry, Schedule):
             self.retries.add(entry)
         elif isinstance(entry, Fired):
@@ -49,8 +50,9 @@ class BrokerState:
             "version": SNAPSHOT_VERSION,
             "journal_seq": self.journal_seq,
             "groups": [g.to_state() for g in self.groups.values()],
-            "retries": [[e.id, e.due_ms, e.offset, e.attempt, e.retry_subject, e.reason]
-                        for e in self.retries.entries()],
+            "retries": [
+                [e.id, e.due_ms, e.offset, e.attempt, e.retry_subject, e.reason] for e in self.retries.entries()
+            ],
             "retry_next_id": self.retries.next_id,
             "redriven": dict(self.redriven),
         }

@@ -49,17 +49,31 @@ def unwrap(record: Record) -> Unwrapped:
 def wrap(record: Record, to_subject: str, attempt: int, reason: str) -> Message:
     """A copy of `record` (plain or already wrapped) for a retry or dead-letter subject."""
     original = unwrap(record)
-    payload = msgpack.packb([attempt, original.subject, original.stored_at, original.payload, reason],
-                            use_bin_type=True)
+    payload = msgpack.packb(
+        [attempt, original.subject, original.stored_at, original.payload, reason], use_bin_type=True
+    )
     return Message(to_subject, record.message_id, payload, record.key, record.tags, WRAPPED)
 
 
 def delivery(record: Record) -> dict:
     """A record as a pull reply carries it (docs/broker.md)."""
     if not record.flags & WRAPPED:  # the common case, kept cheap: one dict per message on the hot path
-        return {"id": record.message_id, "subject": record.subject, "payload": record.payload, "key": record.key,
-                "tags": list(record.tags), "attempt": 1, "stored_at": record.store_ts}
+        return {
+            "id": record.message_id,
+            "subject": record.subject,
+            "payload": record.payload,
+            "key": record.key,
+            "tags": list(record.tags),
+            "attempt": 1,
+            "stored_at": record.store_ts,
+        }
     original = unwrap(record)
-    return {"id": record.message_id, "subject": original.subject, "payload": original.payload,
-            "key": record.key, "tags": list(record.tags), "attempt": original.attempt,
-            "stored_at": original.stored_at}
+    return {
+        "id": record.message_id,
+        "subject": original.subject,
+        "payload": original.payload,
+        "key": record.key,
+        "tags": list(record.tags),
+        "attempt": original.attempt,
+        "stored_at": original.stored_at,
+    }

@@ -19,21 +19,39 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def client_options(fn: F) -> F:
     """--meta, --broker, --token and --log-level, in that order in --help."""
-    for option in reversed([
-        click.option("--meta", envvar=META_ENV, default=None, metavar="HOST:PORT",
-                     help=f"meta server [env {META_ENV}; default {DEFAULT_META_ADDRESS}]"),
-        click.option("--broker", "brokers", multiple=True, metavar="HOST:PORT",
-                     help="a broker to use directly, without a meta server (repeat for several)"),
-        click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token the servers expect [env {TOKEN_ENV}]"),
-        click.option("-l", "--log-level", default="WARNING", show_default=True,
-                     help="DEBUG, INFO, WARNING or ERROR (logged to stderr)"),
-    ]):
+    for option in reversed(
+        [
+            click.option(
+                "--meta",
+                envvar=META_ENV,
+                default=None,
+                metavar="HOST:PORT",
+                help=f"meta server [env {META_ENV}; default {DEFAULT_META_ADDRESS}]",
+            ),
+            click.option(
+                "--broker",
+                "brokers",
+                multiple=True,
+                metavar="HOST:PORT",
+                help="a broker to use directly, without a meta server (repeat for several)",
+            ),
+            click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token the servers expect [env {TOKEN_ENV}]"),
+            click.option(
+                "-l",
+                "--log-level",
+                default="WARNING",
+                show_default=True,
+                help="DEBUG, INFO, WARNING or ERROR (logged to stderr)",
+            ),
+        ]
+    ):
         fn = option(fn)
     return fn
 
 
-def make_client(meta: str | None, brokers: tuple[str, ...], token: str | None, log_level: str,
-                **settings: Any) -> Client:
+def make_client(
+    meta: str | None, brokers: tuple[str, ...], token: str | None, log_level: str, **settings: Any
+) -> Client:
     """The client for a command (`settings` go to `Client`); bad addresses are usage errors."""
     logging.basicConfig(level=log_level.upper(), format="qmq %(levelname)s %(name)s: %(message)s")
     if meta and brokers:

@@ -8,8 +8,9 @@ import click
 
 
 @click.command("demo")
-@click.option("--orders", type=click.IntRange(10, 100_000), default=200, show_default=True,
-              help="orders the shop places")
+@click.option(
+    "--orders", type=click.IntRange(10, 100_000), default=200, show_default=True, help="orders the shop places"
+)
 @click.option("--keep", is_flag=True, help="keep the cluster's directory (stores, logs, ledger, report)")
 def demo(orders: int, keep: bool) -> None:
     """Orders with @qmq.transactional, workers, delays, retries, dead letters, a crash, then the reconciliation."""

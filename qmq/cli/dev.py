@@ -16,18 +16,34 @@ WATCH_INTERVAL_S = 1.0
 
 
 @click.command("dev")
-@click.option("--data-dir", default="qmq-dev", show_default=True, type=click.Path(file_okay=False),
-              help="stores, databases and logs of the cluster")
-@click.option("--db", "db_url", default=None, metavar="URL",
-              help=f"the outbox (and meta) database [env {DB_URL_ENV}; default SQLite files in DATA_DIR]")
+@click.option(
+    "--data-dir",
+    default="qmq-dev",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="stores, databases and logs of the cluster",
+)
+@click.option(
+    "--db",
+    "db_url",
+    default=None,
+    metavar="URL",
+    help=f"the outbox (and meta) database [env {DB_URL_ENV}; default SQLite files in DATA_DIR]",
+)
 @click.option("--meta-port", type=click.IntRange(0, 65535), default=META_PORT, show_default=True, help="0: a free port")
 @click.option("--broker-port", type=click.IntRange(0, 65535), default=BROKER_PORT, show_default=True)
 @click.option("--delay-port", type=click.IntRange(0, 65535), default=DELAY_PORT, show_default=True)
 def dev(data_dir: str, db_url: str | None, meta_port: int, broker_port: int, delay_port: int) -> None:
     """Run a meta server, a broker group, the delay server and a relay until Ctrl-C."""
     db_url = db_url or os.environ.get(DB_URL_ENV) or None
-    cluster = DevCluster(data_dir, outbox_url=db_url, meta_db_url=db_url, meta_port=meta_port,
-                         broker_port=broker_port, delay_port=delay_port)
+    cluster = DevCluster(
+        data_dir,
+        outbox_url=db_url,
+        meta_db_url=db_url,
+        meta_port=meta_port,
+        broker_port=broker_port,
+        delay_port=delay_port,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

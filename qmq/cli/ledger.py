@@ -18,8 +18,12 @@ def ledger() -> None:
 
 
 @ledger.command("export")
-@click.option("--data-dir", required=True, type=click.Path(exists=True, file_okay=False),
-              help="a broker's or delay server's store directory (may be in use)")
+@click.option(
+    "--data-dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="a broker's or delay server's store directory (may be in use)",
+)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="the ledger directory (shared by stores)")
 @click.option("--since", type=TIME, default=None, help="first day to export (default: the oldest stored)")
 @click.option("--until", type=TIME, default=None, help="end of the export, rounded up to a whole day (default: all)")
@@ -39,9 +43,16 @@ def export_cmd(data_dir: str, out: str, since, until, name: str | None) -> None:
         report = export(Path(data_dir), Path(out), name=name, since=since, until=until)
     except FileNotFoundError as exc:
         raise click.UsageError(str(exc)) from None
-    summary = {"name": report.name, "kind": report.kind, "as_of": report.as_of, "records": report.records,
-               "rows": {table: sum(days.values()) for table, days in report.rows.items()},
-               "days": sorted({d for days in report.rows.values() for d in days if d != "all"}),
-               "kept_days": report.kept_days, "notes": report.notes, "problems": report.problems}
+    summary = {
+        "name": report.name,
+        "kind": report.kind,
+        "as_of": report.as_of,
+        "records": report.records,
+        "rows": {table: sum(days.values()) for table, days in report.rows.items()},
+        "days": sorted({d for days in report.rows.values() for d in days if d != "all"}),
+        "kept_days": report.kept_days,
+        "notes": report.notes,
+        "problems": report.problems,
+    }
     click.echo(json.dumps(summary, indent=2))
     sys.exit(1 if report.problems else 0)

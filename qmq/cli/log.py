@@ -36,11 +36,17 @@ def verify_cmd(data_dir: str) -> None:
         click.echo(f"note: {note}")
     for problem in report.problems:
         click.echo(f"BAD {problem}")
-    click.echo(f"{report.segments} segments, {report.records} records, {report.blank_records} blank, "
-               f"{report.consume_entries} consume-log entries"
-               + (f", {delay.buckets} buckets, {delay.scheduled} scheduled, {delay.dispatched} dispatched, "
-                  f"{delay.cancels} cancels" if delay else "")
-               + f": {'OK' if report.ok else 'CORRUPT'}")
+    click.echo(
+        f"{report.segments} segments, {report.records} records, {report.blank_records} blank, "
+        f"{report.consume_entries} consume-log entries"
+        + (
+            f", {delay.buckets} buckets, {delay.scheduled} scheduled, {delay.dispatched} dispatched, "
+            f"{delay.cancels} cancels"
+            if delay
+            else ""
+        )
+        + f": {'OK' if report.ok else 'CORRUPT'}"
+    )
     sys.exit(0 if report.ok else 1)
 
 

@@ -17,19 +17,30 @@ from qmq.net.common import TOKEN_ENV
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="address to listen on")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
 @click.option(
-    "--db", "db_url", envvar=DB_URL_ENV, default=None,
+    "--db",
+    "db_url",
+    envvar=DB_URL_ENV,
+    default=None,
     help=f"SQLAlchemy URL of the meta database [env {DB_URL_ENV}; default {DEFAULT_META_DB_URL}]",
 )
 @click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token clients must present [env {TOKEN_ENV}]")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="serve Prometheus metrics here")
 @click.option(
-    "--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True), default=UNAVAILABLE_AFTER_S,
-    show_default=True, help="seconds without a heartbeat after which a server is unavailable",
+    "--heartbeat-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=UNAVAILABLE_AFTER_S,
+    show_default=True,
+    help="seconds without a heartbeat after which a server is unavailable",
 )
 @click.option("-l", "--log-level", default="INFO", show_default=True, help="DEBUG, INFO, WARNING or ERROR")
 def meta(
-    host: str, port: int, db_url: str | None, token: str | None, metrics_port: int | None,
-    heartbeat_timeout: float, log_level: str,
+    host: str,
+    port: int,
+    db_url: str | None,
+    token: str | None,
+    metrics_port: int | None,
+    heartbeat_timeout: float,
+    log_level: str,
 ) -> None:
     """Run the meta server: broker groups and delay servers register and heartbeat here, and
     producers and consumers ask it which broker groups carry a subject."""
@@ -37,7 +48,11 @@ def meta(
     url = resolve_url(db_url, DEFAULT_META_DB_URL)
     try:
         run(
-            url, host=host, port=port, token=token or None, heartbeat_timeout_s=heartbeat_timeout,
+            url,
+            host=host,
+            port=port,
+            token=token or None,
+            heartbeat_timeout_s=heartbeat_timeout,
             metrics_port=metrics_port,
         )
     except sa.exc.OperationalError as exc:  # only at start: later outages are answered with UNAVAILABLE

@@ -27,47 +27,128 @@ THRESHOLD = Parsed("N|P%", Threshold.parse, Threshold)
 
 
 @click.command()
-@click.option("--outbox-db", "outbox_dbs", multiple=True, required=True, metavar="URL",
-              help="a PostgreSQL database with a qmq_outbox table (repeat for several)")
-@click.option("--ledger", required=True, type=click.Path(exists=True, file_okay=False),
-              help="the ledger directory written by `qmq ledger export`")
+@click.option(
+    "--outbox-db",
+    "outbox_dbs",
+    multiple=True,
+    required=True,
+    metavar="URL",
+    help="a PostgreSQL database with a qmq_outbox table (repeat for several)",
+)
+@click.option(
+    "--ledger",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="the ledger directory written by `qmq ledger export`",
+)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="where to write the results")
 @click.option("--since", type=TIME, default=DEFAULT_SINCE, show_default=True, help="start of the window")
 @click.option("--until", type=TIME, default=DEFAULT_UNTIL, show_default=True, help="end of the window (excluded)")
-@click.option("--grace", type=DURATION, default="15m", show_default=True,
-              help="messages younger than this at the ledger's export are in flight, not anomalies")
-@click.option("--consumed-db", "consumed_dbs", multiple=True, metavar="URL",
-              help="a database with consumers' qmq_consumed idempotency records (repeat for several)")
-@click.option("--max-not-shipped", type=THRESHOLD, default="0", show_default=True,
-              help="exit 3 when more not_shipped messages than this (a count, or a percentage: 0.01%)")
-@click.option("--max-not-acked", type=THRESHOLD, default="0", show_default=True,
-              help="exit 3 when more not_acked messages than this")
-@click.option("--ignore-group", "ignore_groups", multiple=True, metavar="GROUP",
-              help="a retired consumer group, not expected to acknowledge anything (repeat)")
+@click.option(
+    "--grace",
+    type=DURATION,
+    default="15m",
+    show_default=True,
+    help="messages younger than this at the ledger's export are in flight, not anomalies",
+)
+@click.option(
+    "--consumed-db",
+    "consumed_dbs",
+    multiple=True,
+    metavar="URL",
+    help="a database with consumers' qmq_consumed idempotency records (repeat for several)",
+)
+@click.option(
+    "--max-not-shipped",
+    type=THRESHOLD,
+    default="0",
+    show_default=True,
+    help="exit 3 when more not_shipped messages than this (a count, or a percentage: 0.01%)",
+)
+@click.option(
+    "--max-not-acked",
+    type=THRESHOLD,
+    default="0",
+    show_default=True,
+    help="exit 3 when more not_acked messages than this",
+)
+@click.option(
+    "--ignore-group",
+    "ignore_groups",
+    multiple=True,
+    metavar="GROUP",
+    help="a retired consumer group, not expected to acknowledge anything (repeat)",
+)
 @click.option("--redrive", is_flag=True, help="put the outbox rows of not_shipped messages back to pending")
-@click.option("--redrive-dead", is_flag=True,
-              help="ask the brokers to send the dead letters of the window's dead-lettering groups back to them")
+@click.option(
+    "--redrive-dead",
+    is_flag=True,
+    help="ask the brokers to send the dead letters of the window's dead-lettering groups back to them",
+)
 @click.option("--broker", "brokers", multiple=True, metavar="H:P", help="brokers for --redrive-dead (repeat)")
 @click.option("--meta", default=None, metavar="H:P", help="meta server for --redrive-dead (instead of --broker)")
-@click.option("--jdbc-partitions", type=click.IntRange(1, 64), default=4, show_default=True,
-              help="parallel reads (and connections) per outbox database")
+@click.option(
+    "--jdbc-partitions",
+    type=click.IntRange(1, 64),
+    default=4,
+    show_default=True,
+    help="parallel reads (and connections) per outbox database",
+)
 @click.option("--master", default=None, help="Spark master (default: local[*]; spark-submit's under spark-submit)")
-@click.option("--driver-memory", default=None, metavar="SIZE", help="Spark driver memory, e.g. 4g (not under "
-              "spark-submit: give it --driver-memory there)")
-@click.option("-l", "--log-level", default="WARNING", show_default=True,
-              help="DEBUG, INFO (each step's time), WARNING or ERROR (logged to stderr)")
-def reconcile(outbox_dbs, ledger, out, since, until, grace, consumed_dbs, max_not_shipped, max_not_acked,
-              ignore_groups, redrive, redrive_dead, brokers, meta, jdbc_partitions, master, driver_memory,
-              log_level) -> None:
+@click.option(
+    "--driver-memory",
+    default=None,
+    metavar="SIZE",
+    help="Spark driver memory, e.g. 4g (not under spark-submit: give it --driver-memory there)",
+)
+@click.option(
+    "-l",
+    "--log-level",
+    default="WARNING",
+    show_default=True,
+    help="DEBUG, INFO (each step's time), WARNING or ERROR (logged to stderr)",
+)
+def reconcile(
+    outbox_dbs,
+    ledger,
+    out,
+    since,
+    until,
+    grace,
+    consumed_dbs,
+    max_not_shipped,
+    max_not_acked,
+    ignore_groups,
+    redrive,
+    redrive_dead,
+    brokers,
+    meta,
+    jdbc_partitions,
+    master,
+    driver_memory,
+    log_level,
+) -> None:
     """Reconcile outbox rows with the broker ledger and the consumers' records for the window
     [--since, --until): write summary.json, the anomalies (Parquet), report.md and anomalies.png
     into --out. Exit 0 within the thresholds, 3 over one, 4 critical, 1 failed."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = Settings(
-        outbox_dbs=list(outbox_dbs), ledger=Path(ledger), out=Path(out), since=since, until=until, grace=grace,
-        consumed_dbs=list(consumed_dbs), max_not_shipped=max_not_shipped, max_not_acked=max_not_acked,
-        ignore_groups=list(ignore_groups), redrive=redrive, redrive_dead=redrive_dead, brokers=list(brokers),
-        meta=meta, jdbc_partitions=jdbc_partitions)
+        outbox_dbs=list(outbox_dbs),
+        ledger=Path(ledger),
+        out=Path(out),
+        since=since,
+        until=until,
+        grace=grace,
+        consumed_dbs=list(consumed_dbs),
+        max_not_shipped=max_not_shipped,
+        max_not_acked=max_not_acked,
+        ignore_groups=list(ignore_groups),
+        redrive=redrive,
+        redrive_dead=redrive_dead,
+        brokers=list(brokers),
+        meta=meta,
+        jdbc_partitions=jdbc_partitions,
+    )
     try:
         settings.check()
         from spark_etl.sources import LedgerExports, parse_databases
@@ -112,4 +193,3 @@ def _cause(exc: Exception) -> str:
     lines = [line.strip(" :") for line in str(exc).splitlines() if line.strip(" :")]
     named = [line for line in lines if "Exception" in line or "Error" in line]
     return (named or lines or [""])[0]
-

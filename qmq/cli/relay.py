@@ -22,34 +22,100 @@ DAY_S = 86400.0
 
 
 @click.command("relay")
-@click.option("--db", "dbs", multiple=True, envvar=DB_URL_ENV, metavar="URL",
-              help=f"an outbox database (repeat for several) [env {DB_URL_ENV}, space-separated]")
+@click.option(
+    "--db",
+    "dbs",
+    multiple=True,
+    envvar=DB_URL_ENV,
+    metavar="URL",
+    help=f"an outbox database (repeat for several) [env {DB_URL_ENV}, space-separated]",
+)
 @client_options
-@click.option("--delay-server", "delay_servers", multiple=True, metavar="HOST:PORT",
-              help="a delay server for delayed messages, without a meta server (repeat for several)")
-@click.option("--batch", type=click.IntRange(1, 10_000), default=relay_module.BATCH_ROWS, show_default=True,
-              help="rows claimed and shipped together")
-@click.option("--concurrency", type=click.IntRange(1, 64), default=relay_module.SHIPPING_THREADS,
-              show_default=True, help="shipping threads per database")
-@click.option("--lease", type=click.FloatRange(min=1), default=relay_module.LEASE_S, show_default=True,
-              help="seconds a claimed row stays this relay's")
-@click.option("--poll-interval", type=click.FloatRange(min=0.01), default=relay_module.POLL_INTERVAL_S,
-              show_default=True, help="longest sleep between looks (PostgreSQL NOTIFY wakes it sooner)")
-@click.option("--keep-sent-days", type=click.FloatRange(min=0), default=relay_module.KEEP_SENT_S / DAY_S,
-              show_default=True, help="the audit window: sent rows are purged after it")
-@click.option("--purge-batch", type=click.IntRange(1), default=relay_module.PURGE_BATCH_ROWS, show_default=True,
-              help="rows deleted per purge transaction")
-@click.option("--flag-after", type=click.FloatRange(min=0), default=relay_module.FLAG_AFTER_S, show_default=True,
-              help="seconds pending after which a row is flagged and logged")
-@click.option("--flag-attempts", type=click.IntRange(1), default=relay_module.FLAG_AFTER_ATTEMPTS,
-              show_default=True, help="failed attempts after which a row is flagged and logged")
+@click.option(
+    "--delay-server",
+    "delay_servers",
+    multiple=True,
+    metavar="HOST:PORT",
+    help="a delay server for delayed messages, without a meta server (repeat for several)",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 10_000),
+    default=relay_module.BATCH_ROWS,
+    show_default=True,
+    help="rows claimed and shipped together",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 64),
+    default=relay_module.SHIPPING_THREADS,
+    show_default=True,
+    help="shipping threads per database",
+)
+@click.option(
+    "--lease",
+    type=click.FloatRange(min=1),
+    default=relay_module.LEASE_S,
+    show_default=True,
+    help="seconds a claimed row stays this relay's",
+)
+@click.option(
+    "--poll-interval",
+    type=click.FloatRange(min=0.01),
+    default=relay_module.POLL_INTERVAL_S,
+    show_default=True,
+    help="longest sleep between looks (PostgreSQL NOTIFY wakes it sooner)",
+)
+@click.option(
+    "--keep-sent-days",
+    type=click.FloatRange(min=0),
+    default=relay_module.KEEP_SENT_S / DAY_S,
+    show_default=True,
+    help="the audit window: sent rows are purged after it",
+)
+@click.option(
+    "--purge-batch",
+    type=click.IntRange(1),
+    default=relay_module.PURGE_BATCH_ROWS,
+    show_default=True,
+    help="rows deleted per purge transaction",
+)
+@click.option(
+    "--flag-after",
+    type=click.FloatRange(min=0),
+    default=relay_module.FLAG_AFTER_S,
+    show_default=True,
+    help="seconds pending after which a row is flagged and logged",
+)
+@click.option(
+    "--flag-attempts",
+    type=click.IntRange(1),
+    default=relay_module.FLAG_AFTER_ATTEMPTS,
+    show_default=True,
+    help="failed attempts after which a row is flagged and logged",
+)
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="serve Prometheus metrics here")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @click.option("--once", is_flag=True, help="one sweep (ship what is due, flag, purge), print a JSON report, exit")
-def relay(dbs: tuple[str, ...], meta: str | None, brokers: tuple[str, ...], token: str | None, log_level: str,
-          delay_servers: tuple[str, ...], batch: int, concurrency: int, lease: float, poll_interval: float,
-          keep_sent_days: float, purge_batch: int,
-          flag_after: float, flag_attempts: int, metrics_port: int | None, metrics_host: str, once: bool) -> None:
+def relay(
+    dbs: tuple[str, ...],
+    meta: str | None,
+    brokers: tuple[str, ...],
+    token: str | None,
+    log_level: str,
+    delay_servers: tuple[str, ...],
+    batch: int,
+    concurrency: int,
+    lease: float,
+    poll_interval: float,
+    keep_sent_days: float,
+    purge_batch: int,
+    flag_after: float,
+    flag_attempts: int,
+    metrics_port: int | None,
+    metrics_host: str,
+    once: bool,
+) -> None:
     """Ship committed outbox rows left unsent (crash, broker down), until SIGTERM."""
     urls = [normalize_url(u) for value in dbs for u in value.split()]
     if not urls:
@@ -58,11 +124,27 @@ def relay(dbs: tuple[str, ...], meta: str | None, brokers: tuple[str, ...], toke
         log_level = "INFO"  # a service logs its start, stop and purges
     probe = make_client(meta, brokers, token, log_level, delay_servers=list(delay_servers))  # bad addresses: now
     probe.close()
-    settings = RelaySettings(batch_rows=batch, lease_s=lease, poll_interval_s=poll_interval,
-                             shipping_threads=concurrency, keep_sent_s=keep_sent_days * DAY_S,
-                             purge_batch_rows=purge_batch, flag_after_s=flag_after, flag_after_attempts=flag_attempts)
-    service = Relay(urls, lambda: Client(meta=probe.meta, brokers=probe.brokers, delay_servers=list(delay_servers),
-                                         token=token or None, client_id="relay"), settings)
+    settings = RelaySettings(
+        batch_rows=batch,
+        lease_s=lease,
+        poll_interval_s=poll_interval,
+        shipping_threads=concurrency,
+        keep_sent_s=keep_sent_days * DAY_S,
+        purge_batch_rows=purge_batch,
+        flag_after_s=flag_after,
+        flag_after_attempts=flag_attempts,
+    )
+    service = Relay(
+        urls,
+        lambda: Client(
+            meta=probe.meta,
+            brokers=probe.brokers,
+            delay_servers=list(delay_servers),
+            token=token or None,
+            client_id="relay",
+        ),
+        settings,
+    )
     if once:
         reports = service.sweep()
         for report in reports:

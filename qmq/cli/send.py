@@ -32,21 +32,59 @@ MAX_FAILURES_SHOWN = 10  # failed messages named one by one; the rest are counte
 @click.option("--key", default=None, help="the message key (indexed by the broker for look-ups)")
 @click.option("--header", "headers", multiple=True, metavar="K=V", help="a header (repeat for several)")
 @click.option("--json", "as_json", is_flag=True, help="BODY is JSON: send the value, as application/json")
-@click.option("--delay", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="deliver after this many seconds (through a delay server)")
-@click.option("--at", default=None, metavar="ISO8601",
-              help="deliver at this time, with its zone (2026-12-24T18:00:00+01:00, or Z for UTC)")
-@click.option("--delay-server", "delay_servers", multiple=True, metavar="HOST:PORT",
-              help="a delay server to use directly, instead of the meta server's (repeat for several)")
+@click.option(
+    "--delay",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="deliver after this many seconds (through a delay server)",
+)
+@click.option(
+    "--at",
+    default=None,
+    metavar="ISO8601",
+    help="deliver at this time, with its zone (2026-12-24T18:00:00+01:00, or Z for UTC)",
+)
+@click.option(
+    "--delay-server",
+    "delay_servers",
+    multiple=True,
+    metavar="HOST:PORT",
+    help="a delay server to use directly, instead of the meta server's (repeat for several)",
+)
 @click.option("--count", type=click.IntRange(min=1), default=1, show_default=True, help="messages to send")
-@click.option("--size", type=click.IntRange(min=0), default=None, metavar="BYTES",
-              help="send BYTES random bytes as each body, instead of BODY")
-@click.option("--batch", type=click.IntRange(1, 4096), default=DEFAULT_BATCH_SIZE, show_default=True,
-              help="messages per broker request")
-def send(subject: str, body: str | None, meta: str | None, brokers: tuple[str, ...], token: str | None,
-         log_level: str, tags: tuple[str, ...], key: str | None, headers: tuple[str, ...], as_json: bool,
-         delay: float | None, at: str | None, delay_servers: tuple[str, ...], count: int, size: int | None,
-         batch: int) -> None:
+@click.option(
+    "--size",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="BYTES",
+    help="send BYTES random bytes as each body, instead of BODY",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 4096),
+    default=DEFAULT_BATCH_SIZE,
+    show_default=True,
+    help="messages per broker request",
+)
+def send(
+    subject: str,
+    body: str | None,
+    meta: str | None,
+    brokers: tuple[str, ...],
+    token: str | None,
+    log_level: str,
+    tags: tuple[str, ...],
+    key: str | None,
+    headers: tuple[str, ...],
+    as_json: bool,
+    delay: float | None,
+    at: str | None,
+    delay_servers: tuple[str, ...],
+    count: int,
+    size: int | None,
+    batch: int,
+) -> None:
     """Send COUNT messages to SUBJECT and print each message id, one per line, once a broker has
     stored it (with --delay or --at: once a delay server has). The body is BODY (text), --size
     random bytes, or else all of standard input."""
@@ -59,8 +97,10 @@ def send(subject: str, body: str | None, meta: str | None, brokers: tuple[str, .
         sent = 0
         while sent < count:
             n = min(count - sent, batch * CHUNK_BATCHES)
-            messages = [OutgoingMessage(subject, make_body(), key=key, tags=tags, headers=header_map,
-                                        deliver_at=deliver_at) for _ in range(n)]
+            messages = [
+                OutgoingMessage(subject, make_body(), key=key, tags=tags, headers=header_map, deliver_at=deliver_at)
+                for _ in range(n)
+            ]
             results = client.send(messages)
             for result in results:
                 if result.ok:
@@ -139,14 +179,17 @@ def _check_route(client: Any, subject: str, *, delayed: bool = False) -> None:
         raise click.ClickException(str(exc)) from None
     if delayed:
         if not route.delay_route.writable_groups:
-            raise click.ClickException("no delay server is available for delayed messages: start `qmq delay-server` "
-                                       "with --meta, or give --delay-server HOST:PORT")
+            raise click.ClickException(
+                "no delay server is available for delayed messages: start `qmq delay-server` "
+                "with --meta, or give --delay-server HOST:PORT"
+            )
         return
     if not route.writable_groups:
         if route.groups:
             names = ", ".join(g.name for g in route.groups)
-            raise click.ClickException(f"no broker group takes messages for {subject!r} now: its groups "
-                                       f"({names}) are unavailable or read-only")
+            raise click.ClickException(
+                f"no broker group takes messages for {subject!r} now: its groups ({names}) are unavailable or read-only"
+            )
         raise click.ClickException(str(no_route_error(client.meta, subject)))
 
 

@@ -26,18 +26,41 @@ from qmq.client.core import DEFAULT_PULL_MAX, DEFAULT_PULL_WAIT_S
 @click.argument("subject")
 @click.option("--group", required=True, help="consumer group name: members share the messages")
 @client_options
-@click.option("--from", "start", type=click.Choice(["earliest", "latest"]), default="latest", show_default=True,
-              help="where a group new to a broker starts")
+@click.option(
+    "--from",
+    "start",
+    type=click.Choice(["earliest", "latest"]),
+    default="latest",
+    show_default=True,
+    help="where a group new to a broker starts",
+)
 @click.option("--count", type=click.IntRange(min=1), default=None, help="exit after this many messages")
-@click.option("--timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="exit after this long without a message [default: run until Ctrl-C]")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="exit after this long without a message [default: run until Ctrl-C]",
+)
 @click.option("--tag", "tags", multiple=True, help="only messages with this tag (repeat: any of them)")
 @click.option("--match-all", is_flag=True, help="with several --tag: only messages with all of them")
 @click.option("--broadcast", is_flag=True, help="get every message, with a position of this consumer's own")
 @click.option("--consumer", default=None, help="consumer id [default: hostname-pid-random]")
-def tail(subject: str, group: str, meta: str | None, brokers: tuple[str, ...], token: str | None, log_level: str,
-         start: str, count: int | None, timeout: float | None, tags: tuple[str, ...], match_all: bool,
-         broadcast: bool, consumer: str | None) -> None:
+def tail(
+    subject: str,
+    group: str,
+    meta: str | None,
+    brokers: tuple[str, ...],
+    token: str | None,
+    log_level: str,
+    start: str,
+    count: int | None,
+    timeout: float | None,
+    tags: tuple[str, ...],
+    match_all: bool,
+    broadcast: bool,
+    consumer: str | None,
+) -> None:
     """Print the messages of SUBJECT, one JSON object per line, acknowledging each once printed.
 
     Fields: id, subject, body (a JSON value, text, or base64 with "body_encoding": "base64"),
@@ -46,14 +69,16 @@ def tail(subject: str, group: str, meta: str | None, brokers: tuple[str, ...], t
     client = make_client(meta, brokers, token, log_level)
     try:
         try:
-            subscription = client.subscribe(subject, group, consumer=consumer, tags=tags, match_all=match_all,
-                                            broadcast=broadcast, start=start)
+            subscription = client.subscribe(
+                subject, group, consumer=consumer, tags=tags, match_all=match_all, broadcast=broadcast, start=start
+            )
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
         except ClientError as exc:
             raise click.ClickException(str(exc)) from None
-        click.echo(f"qmq tail: waiting for messages on {subject} as group {group} "
-                   f"(consumer {subscription.consumer})", err=True)
+        click.echo(
+            f"qmq tail: waiting for messages on {subject} as group {group} (consumer {subscription.consumer})", err=True
+        )
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a stop request acks what was printed, too
         try:
             _run(subscription, count, timeout)
@@ -102,11 +127,17 @@ def delivery_json(delivery: Delivery) -> dict[str, Any]:
         item["body_encoding"] = "base64"
     else:
         item["body"] = delivery.body
-    item.update({
-        "content_type": delivery.content_type, "tags": list(delivery.tags), "key": delivery.key,
-        "headers": delivery.headers, "attempts": delivery.attempt,
-        "created_at": _iso(delivery.created_at), "stored_at": _iso(delivery.stored_at),
-    })
+    item.update(
+        {
+            "content_type": delivery.content_type,
+            "tags": list(delivery.tags),
+            "key": delivery.key,
+            "headers": delivery.headers,
+            "attempts": delivery.attempt,
+            "created_at": _iso(delivery.created_at),
+            "stored_at": _iso(delivery.stored_at),
+        }
+    )
     return item
 
 

@@ -52,8 +52,9 @@ def parse_duration(text: str) -> timedelta:
         pass
     parts = DURATION_PART.findall(cleaned)
     if not parts or "".join(n + u for n, u in parts) != cleaned:
-        raise ValueError(f"{text!r} is not a duration: give a number with a unit (500ms, 90s, 15m, 2h, 1d) or "
-                         f"several (1h30m)")
+        raise ValueError(
+            f"{text!r} is not a duration: give a number with a unit (500ms, 90s, 15m, 2h, 1d) or several (1h30m)"
+        )
     return timedelta(seconds=sum(float(n) * UNIT_SECONDS[u] for n, u in parts))
 
 

@@ -23,34 +23,107 @@ def _subjects(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
 
 
 @click.command("worker")
-@click.option("-A", "--app", "app_spec", required=True, metavar="MODULE:APP",
-              help="the qmq.App to serve, e.g. billing.consumers:app")
-@click.option("-c", "--concurrency", type=click.IntRange(min=1), default=None,
-              help="handlers at once [default: 8 threads, or one process per CPU]")
-@click.option("-P", "--pool", type=click.Choice(["threads", "processes", "solo"]), default="threads",
-              show_default=True, help="where handlers run")
-@click.option("-Q", "--queues", "subjects", multiple=True, callback=_subjects, metavar="SUBJECT[,SUBJECT]",
-              help="serve only these subjects' consumers [default: all of the app's]")
-@click.option("-n", "--hostname", default=None, metavar="NAME",
-              help="node name, also the consumer id at the brokers (%h host, %n short host, %d domain, %p pid) "
-                   "[default: qmq-%p@%h]")
-@click.option("--prefetch-multiplier", type=click.IntRange(min=1), default=16, show_default=True,
-              help="messages held per free handler slot")
-@click.option("--meta", envvar=META_ENV, default=None, metavar="HOST:PORT",
-              help=f"meta server [env {META_ENV}; default: the app's]")
-@click.option("--broker", "brokers", multiple=True, metavar="HOST:PORT",
-              help="a broker to use directly, without a meta server (repeat for several)")
+@click.option(
+    "-A",
+    "--app",
+    "app_spec",
+    required=True,
+    metavar="MODULE:APP",
+    help="the qmq.App to serve, e.g. billing.consumers:app",
+)
+@click.option(
+    "-c",
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    help="handlers at once [default: 8 threads, or one process per CPU]",
+)
+@click.option(
+    "-P",
+    "--pool",
+    type=click.Choice(["threads", "processes", "solo"]),
+    default="threads",
+    show_default=True,
+    help="where handlers run",
+)
+@click.option(
+    "-Q",
+    "--queues",
+    "subjects",
+    multiple=True,
+    callback=_subjects,
+    metavar="SUBJECT[,SUBJECT]",
+    help="serve only these subjects' consumers [default: all of the app's]",
+)
+@click.option(
+    "-n",
+    "--hostname",
+    default=None,
+    metavar="NAME",
+    help="node name, also the consumer id at the brokers (%h host, %n short host, %d domain, %p pid) "
+    "[default: qmq-%p@%h]",
+)
+@click.option(
+    "--prefetch-multiplier",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="messages held per free handler slot",
+)
+@click.option(
+    "--meta",
+    envvar=META_ENV,
+    default=None,
+    metavar="HOST:PORT",
+    help=f"meta server [env {META_ENV}; default: the app's]",
+)
+@click.option(
+    "--broker",
+    "brokers",
+    multiple=True,
+    metavar="HOST:PORT",
+    help="a broker to use directly, without a meta server (repeat for several)",
+)
 @click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token the servers expect [env {TOKEN_ENV}]")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-              help="serve /metrics and /healthz on this port [default: none]")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="serve /metrics and /healthz on this port [default: none]",
+)
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="address for --metrics-port")
-@click.option("--liveness-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              metavar="SECONDS", help="unhealthy after this long with work waiting and no message finished")
-@click.option("-l", "--loglevel", "--log-level", "log_level", default="WARNING", show_default=True,
-              help="DEBUG, INFO, WARNING or ERROR (to stderr)")
-def worker(app_spec: str, concurrency: int | None, pool: str, subjects: tuple[str, ...], hostname: str | None,
-           prefetch_multiplier: int, meta: str | None, brokers: tuple[str, ...], token: str | None,
-           metrics_port: int | None, metrics_host: str, liveness_timeout: float, log_level: str) -> None:
+@click.option(
+    "--liveness-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="unhealthy after this long with work waiting and no message finished",
+)
+@click.option(
+    "-l",
+    "--loglevel",
+    "--log-level",
+    "log_level",
+    default="WARNING",
+    show_default=True,
+    help="DEBUG, INFO, WARNING or ERROR (to stderr)",
+)
+def worker(
+    app_spec: str,
+    concurrency: int | None,
+    pool: str,
+    subjects: tuple[str, ...],
+    hostname: str | None,
+    prefetch_multiplier: int,
+    meta: str | None,
+    brokers: tuple[str, ...],
+    token: str | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    liveness_timeout: float,
+    log_level: str,
+) -> None:
     """Run the consumers of an app: pull, handle, acknowledge after the handler (and its transaction)
     finished. SIGTERM or Ctrl-C: warm shutdown (finish what was pulled, ack, exit 0); a second Ctrl-C
     or SIGQUIT: cold shutdown (stop now; what was not acked is delivered again)."""
@@ -69,11 +142,21 @@ def worker(app_spec: str, concurrency: int | None, pool: str, subjects: tuple[st
         raise click.UsageError("give --meta or --broker, not both")
     if meta and from_env and (brokers or app.meta or app.brokers):
         meta = None  # flags, then the app's own settings, win over $QMQ_META
-    options = WorkerOptions(concurrency=concurrency, pool=pool, subjects=subjects,
-                            hostname=hostname or DEFAULT_HOSTNAME, prefetch_multiplier=prefetch_multiplier,
-                            meta=meta or None, brokers=brokers, token=token or None, metrics_host=metrics_host,
-                            metrics_port=metrics_port, liveness_timeout_s=liveness_timeout, app_spec=app_spec,
-                            log_level=log_level)
+    options = WorkerOptions(
+        concurrency=concurrency,
+        pool=pool,
+        subjects=subjects,
+        hostname=hostname or DEFAULT_HOSTNAME,
+        prefetch_multiplier=prefetch_multiplier,
+        meta=meta or None,
+        brokers=brokers,
+        token=token or None,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        liveness_timeout_s=liveness_timeout,
+        app_spec=app_spec,
+        log_level=log_level,
+    )
     try:
         runner = Worker(app, options, on_ready=_announce)
     except ValueError as exc:
@@ -91,5 +174,8 @@ def _announce(runner: object) -> None:
     assert isinstance(runner, Worker)
     consumers = ", ".join(f.consumer.name for f in runner.feeders)
     port = f", metrics and /healthz on port {runner.metrics_port}" if runner.metrics_port is not None else ""
-    click.echo(f"qmq worker {runner.hostname} ready: {consumers} (pool {runner.options.pool}, concurrency "
-               f"{runner.concurrency}{port})", err=True)
+    click.echo(
+        f"qmq worker {runner.hostname} ready: {consumers} (pool {runner.options.pool}, concurrency "
+        f"{runner.concurrency}{port})",
+        err=True,
+    )

@@ -81,9 +81,17 @@ MAX_SENDS_IN_FLIGHT = 16  # BROKER_SEND requests in flight at once for one clien
 class AsyncClient:
     """A producer and the factory of subscriptions, over one pool of connections."""
 
-    def __init__(self, meta: str | None = None, brokers: Sequence[str] | None = None, token: str | None = None,
-                 client_id: str | None = None, *, batch_size: int = DEFAULT_BATCH_SIZE,
-                 send_timeout_s: float = SEND_TIMEOUT_S, delay_servers: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        meta: str | None = None,
+        brokers: Sequence[str] | None = None,
+        token: str | None = None,
+        client_id: str | None = None,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        send_timeout_s: float = SEND_TIMEOUT_S,
+        delay_servers: Sequence[str] | None = None,
+    ) -> None:
         self.meta, self.brokers = resolve_servers(meta, brokers)
         self.delay_servers = resolve_delay_servers(delay_servers)
         self.token = token
@@ -104,8 +112,7 @@ class AsyncClient:
         if not refresh and (route := self._routes.fresh(subject, now)) is not None:
             return route
         try:
-            reply = await self._pool.request(self.meta, RequestCode.META_ROUTE, route_request(subject),
-                                             META_TIMEOUT_S)
+            reply = await self._pool.request(self.meta, RequestCode.META_ROUTE, route_request(subject), META_TIMEOUT_S)
         except (RemoteError, OSError) as exc:
             error = meta_error(self.meta, subject, exc)
             stale = self._routes.stale(subject)
@@ -139,8 +146,9 @@ class AsyncClient:
             for batch, outcome in zip(batches, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     if job.on_error(batch, outcome):
-                        log.warning("send to broker group %s failed (%s); offering its messages again", batch.group,
-                                    outcome)
+                        log.warning(
+                            "send to broker group %s failed (%s); offering its messages again", batch.group, outcome
+                        )
                         self._health.failed(batch.group, time.monotonic())
                         refresh |= {job.messages[i].subject for i in batch.indices}
                 else:
@@ -150,12 +158,27 @@ class AsyncClient:
                 self._routes.invalidate(refresh)
         return job.results()
 
-    async def send_one(self, subject: str, body: Any, *, key: str | None = None, tags: Sequence[str] = (),
-                       headers: Mapping[str, str] | None = None, message_id: str | None = None,
-                       deliver_at: datetime | int | None = None) -> SendResult:
+    async def send_one(
+        self,
+        subject: str,
+        body: Any,
+        *,
+        key: str | None = None,
+        tags: Sequence[str] = (),
+        headers: Mapping[str, str] | None = None,
+        message_id: str | None = None,
+        deliver_at: datetime | int | None = None,
+    ) -> SendResult:
         """Send one message; raises `SendError` if it was rejected or no group accepted it."""
-        message = OutgoingMessage(subject, body, key=key, tags=tuple(tags), headers=headers, deliver_at=deliver_at,
-                                  **({"id": message_id} if message_id else {}))
+        message = OutgoingMessage(
+            subject,
+            body,
+            key=key,
+            tags=tuple(tags),
+            headers=headers,
+            deliver_at=deliver_at,
+            **({"id": message_id} if message_id else {}),
+        )
         result = (await self.send([message]))[0]
         if not result.ok:
             raise SendError(result)
@@ -170,13 +193,16 @@ class AsyncClient:
         if addresses is None:
             assert self.meta is not None
             try:
-                listing: dict[str, Any] | BaseException = await self._pool.request(self.meta, RequestCode.META_LIST,
-                                                                                   {}, META_TIMEOUT_S)
+                listing: dict[str, Any] | BaseException = await self._pool.request(
+                    self.meta, RequestCode.META_LIST, {}, META_TIMEOUT_S
+                )
             except (RemoteError, OSError) as exc:
                 listing = exc
             addresses = listed_delay_addresses(self.meta, listing)
-        replies = await asyncio.gather(*(self._pool.request(a, RequestCode.DELAY_CANCEL, {"ids": ids}, CANCEL_TIMEOUT_S)
-                                         for a in addresses), return_exceptions=True)
+        replies = await asyncio.gather(
+            *(self._pool.request(a, RequestCode.DELAY_CANCEL, {"ids": ids}, CANCEL_TIMEOUT_S) for a in addresses),
+            return_exceptions=True,
+        )
         for address, reply in zip(addresses, replies, strict=True):
             if isinstance(reply, BaseException):
                 raise cancel_failed(address, reply) from None
@@ -191,12 +217,21 @@ class AsyncClient:
             except Exception as exc:
                 return exc
 
-    async def subscribe(self, subject: str, group: str, *, consumer: str | None = None, tags: Sequence[str] = (),
-                        match_all: bool = False, broadcast: bool = False,
-                        start: str = "latest") -> AsyncSubscription:
+    async def subscribe(
+        self,
+        subject: str,
+        group: str,
+        *,
+        consumer: str | None = None,
+        tags: Sequence[str] = (),
+        match_all: bool = False,
+        broadcast: bool = False,
+        start: str = "latest",
+    ) -> AsyncSubscription:
         """Consume `subject` as consumer group `group` (see `Client.subscribe`)."""
-        options = SubscribeOptions(subject, group, consumer or default_consumer_id(), tuple(tags), match_all,
-                                   broadcast, start)
+        options = SubscribeOptions(
+            subject, group, consumer or default_consumer_id(), tuple(tags), match_all, broadcast, start
+        )
         subscription = AsyncSubscription(self, options)
         await subscription._start()
         self._subscriptions.add(subscription)
@@ -274,8 +309,15 @@ class AsyncSubscription:
         if time.monotonic() - self._last_flush >= ACK_FLUSH_INTERVAL_S:
             await self.flush()
 
-    async def nack(self, delivery: Delivery, delay_s: float = 0.0, *, dead: bool = False, reason: str = "",
-                   max_attempts: int | None = None) -> tuple[str, Any] | None:
+    async def nack(
+        self,
+        delivery: Delivery,
+        delay_s: float = 0.0,
+        *,
+        dead: bool = False,
+        reason: str = "",
+        max_attempts: int | None = None,
+    ) -> tuple[str, Any] | None:
         """The delivery failed: retry it after `delay_s`, or dead-letter it (see `Subscription.nack`)."""
         body = self._state.nack_request(delivery, delay_s, dead=dead, reason=reason, max_attempts=max_attempts)
         if not self._state.is_current(delivery):
@@ -284,8 +326,12 @@ class AsyncSubscription:
             reply = await self._pool.request(delivery.broker, RequestCode.BROKER_NACK, body, ACK_TIMEOUT_S)
         except Exception as exc:
             self._state.drop_delivery(delivery)
-            log.warning("nack of message %s to %s failed (%s): the broker will deliver it again", delivery.id,
-                        delivery.broker, exc)
+            log.warning(
+                "nack of message %s to %s failed (%s): the broker will deliver it again",
+                delivery.id,
+                delivery.broker,
+                exc,
+            )
             return None
         self._state.done(delivery)
         if time.monotonic() - self._last_flush >= ACK_FLUSH_INTERVAL_S:
@@ -365,8 +411,9 @@ class AsyncSubscription:
                 continue
             address = slot.group.addresses[0]
             body = self._state.pull_request(address, max_count, wait_s)
-            task = loop.create_task(self._pool.request(address, RequestCode.BROKER_PULL, body,
-                                                       wait_s + PULL_REPLY_GRACE_S))
+            task = loop.create_task(
+                self._pool.request(address, RequestCode.BROKER_PULL, body, wait_s + PULL_REPLY_GRACE_S)
+            )
             slot.sent(task, address, now + wait_s, self._state.generation(address))
 
     def _harvest(self) -> None:
@@ -380,8 +427,13 @@ class AsyncSubscription:
                 if is_fatal_pull_error(exc):
                     fatal = exc
                 elif slot.failed(time.monotonic()):
-                    log.warning("cannot pull %s from broker group %s at %s: %s; retrying", self.subject,
-                                slot.group.name, slot.address, exc)
+                    log.warning(
+                        "cannot pull %s from broker group %s at %s: %s; retrying",
+                        self.subject,
+                        slot.group.name,
+                        slot.address,
+                        exc,
+                    )
                 continue
             if slot.succeeded():
                 log.info("pulling %s from broker group %s again", self.subject, slot.group.name)

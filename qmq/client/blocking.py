@@ -119,16 +119,26 @@ def listed_delay_addresses(meta: str, reply: dict[str, Any] | BaseException) -> 
 
 
 def cancel_failed(address: str, exc: BaseException) -> ClientError:
-    return ClientError(f"cancel not confirmed by delay server {address} ({exc}); the message may be there: "
-                       "cancel again (cancelling twice is harmless)")
+    return ClientError(
+        f"cancel not confirmed by delay server {address} ({exc}); the message may be there: "
+        "cancel again (cancelling twice is harmless)"
+    )
 
 
 class Client:
     """A producer and the factory of subscriptions, over one pool of connections."""
 
-    def __init__(self, meta: str | None = None, brokers: Sequence[str] | None = None, token: str | None = None,
-                 client_id: str | None = None, *, batch_size: int = DEFAULT_BATCH_SIZE,
-                 send_timeout_s: float = SEND_TIMEOUT_S, delay_servers: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        meta: str | None = None,
+        brokers: Sequence[str] | None = None,
+        token: str | None = None,
+        client_id: str | None = None,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        send_timeout_s: float = SEND_TIMEOUT_S,
+        delay_servers: Sequence[str] | None = None,
+    ) -> None:
         self.meta, self.brokers = resolve_servers(meta, brokers)
         self.delay_servers = resolve_delay_servers(delay_servers)
         self.token = token
@@ -191,8 +201,9 @@ class Client:
             for batch, outcome in zip(batches, self._send_batches(batches), strict=True):
                 if isinstance(outcome, BaseException):
                     if job.on_error(batch, outcome):
-                        log.warning("send to broker group %s failed (%s); offering its messages again", batch.group,
-                                    outcome)
+                        log.warning(
+                            "send to broker group %s failed (%s); offering its messages again", batch.group, outcome
+                        )
                         with self._health_lock:
                             self._health.failed(batch.group, time.monotonic())
                         refresh |= {job.messages[i].subject for i in batch.indices}
@@ -204,12 +215,27 @@ class Client:
                 self._routes.invalidate(refresh)
         return job.results()
 
-    def send_one(self, subject: str, body: Any, *, key: str | None = None, tags: Sequence[str] = (),
-                 headers: Mapping[str, str] | None = None, message_id: str | None = None,
-                 deliver_at: datetime | int | None = None) -> SendResult:
+    def send_one(
+        self,
+        subject: str,
+        body: Any,
+        *,
+        key: str | None = None,
+        tags: Sequence[str] = (),
+        headers: Mapping[str, str] | None = None,
+        message_id: str | None = None,
+        deliver_at: datetime | int | None = None,
+    ) -> SendResult:
         """Send one message; raises `SendError` if it was rejected or no group accepted it."""
-        message = OutgoingMessage(subject, body, key=key, tags=tuple(tags), headers=headers, deliver_at=deliver_at,
-                                  **({"id": message_id} if message_id else {}))
+        message = OutgoingMessage(
+            subject,
+            body,
+            key=key,
+            tags=tuple(tags),
+            headers=headers,
+            deliver_at=deliver_at,
+            **({"id": message_id} if message_id else {}),
+        )
         result = self.send([message])[0]
         if not result.ok:
             raise SendError(result)
@@ -240,8 +266,9 @@ class Client:
         if addresses is None:
             assert self.meta is not None
             try:
-                listing: dict[str, Any] | BaseException = self._pool.request(self.meta, RequestCode.META_LIST, {},
-                                                                             META_TIMEOUT_S)
+                listing: dict[str, Any] | BaseException = self._pool.request(
+                    self.meta, RequestCode.META_LIST, {}, META_TIMEOUT_S
+                )
             except (RemoteError, OSError) as exc:
                 listing = exc
             addresses = listed_delay_addresses(self.meta, listing)
@@ -261,8 +288,17 @@ class Client:
 
     # ---- consuming -------------------------------------------------------------------------------
 
-    def subscribe(self, subject: str, group: str, *, consumer: str | None = None, tags: Sequence[str] = (),
-                  match_all: bool = False, broadcast: bool = False, start: str = "latest") -> Subscription:
+    def subscribe(
+        self,
+        subject: str,
+        group: str,
+        *,
+        consumer: str | None = None,
+        tags: Sequence[str] = (),
+        match_all: bool = False,
+        broadcast: bool = False,
+        start: str = "latest",
+    ) -> Subscription:
         """Consume `subject` as consumer group `group` from every broker group of its route.
 
         `tags`: only messages with one of them (all of them with `match_all`). `broadcast`: this
@@ -271,8 +307,9 @@ class Client:
         subscription registers with every broker before returning, so a message sent after
         `subscribe` returns reaches a new group. Raises ValueError for a bad argument,
         `MetaUnreachable`, or `NoRoute` when no broker group carries the subject."""
-        options = SubscribeOptions(subject, group, consumer or default_consumer_id(), tuple(tags), match_all,
-                                   broadcast, start)
+        options = SubscribeOptions(
+            subject, group, consumer or default_consumer_id(), tuple(tags), match_all, broadcast, start
+        )
         subscription = Subscription(self, options)
         self._subscriptions.add(subscription)
         return subscription
@@ -378,8 +415,15 @@ class Subscription:
         if time.monotonic() - self._last_flush >= ACK_FLUSH_INTERVAL_S:
             self.flush()
 
-    def nack(self, delivery: Delivery, delay_s: float = 0.0, *, dead: bool = False, reason: str = "",
-             max_attempts: int | None = None) -> tuple[str, Any] | None:
+    def nack(
+        self,
+        delivery: Delivery,
+        delay_s: float = 0.0,
+        *,
+        dead: bool = False,
+        reason: str = "",
+        max_attempts: int | None = None,
+    ) -> tuple[str, Any] | None:
         """The delivery failed: the broker gives it back to this group after `delay_s` with attempt+1,
         or dead-letters it (`dead`, or its attempt reached `max_attempts`, by default the broker's).
         Returns the broker's outcome, ("retry", due_ms) or ("dead", seq), or None when the nack
@@ -393,8 +437,12 @@ class Subscription:
         except Exception as exc:
             with self._lock:
                 self._state.drop_delivery(delivery)
-            log.warning("nack of message %s to %s failed (%s): the broker will deliver it again", delivery.id,
-                        delivery.broker, exc)
+            log.warning(
+                "nack of message %s to %s failed (%s): the broker will deliver it again",
+                delivery.id,
+                delivery.broker,
+                exc,
+            )
             return None
         with self._lock:
             self._state.done(delivery)
@@ -481,8 +529,9 @@ class Subscription:
             with self._lock:
                 body = self._state.pull_request(address, max_count, wait_s)
                 generation = self._state.generation(address)
-            future = self._executor.submit(self._pool.request, address, RequestCode.BROKER_PULL, body,
-                                           wait_s + PULL_REPLY_GRACE_S)
+            future = self._executor.submit(
+                self._pool.request, address, RequestCode.BROKER_PULL, body, wait_s + PULL_REPLY_GRACE_S
+            )
             slot.sent(future, address, now + wait_s, generation)
 
     def _harvest(self) -> None:
@@ -500,8 +549,13 @@ class Subscription:
                 if is_fatal_pull_error(exc):
                     fatal = exc
                 elif slot.failed(time.monotonic()):
-                    log.warning("cannot pull %s from broker group %s at %s: %s; retrying", self.subject,
-                                slot.group.name, slot.address, exc)
+                    log.warning(
+                        "cannot pull %s from broker group %s at %s: %s; retrying",
+                        self.subject,
+                        slot.group.name,
+                        slot.address,
+                        exc,
+                    )
                 continue
             if slot.succeeded():
                 log.info("pulling %s from broker group %s again", self.subject, slot.group.name)

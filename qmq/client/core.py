@@ -65,10 +65,16 @@ STARTS = ("latest", "earliest")
 CONSUMER_RE = re.compile(r"[A-Za-z0-9._\-:@]{1,200}")
 MAX_GROUP_LEN = 200
 # A pull refused with one of these will be refused again: the subscription itself is wrong.
-FATAL_PULL_CODES = frozenset({
-    ErrorCode.BAD_REQUEST, ErrorCode.BAD_SUBJECT, ErrorCode.BAD_BODY, ErrorCode.UNAUTHORIZED,
-    ErrorCode.UNKNOWN_REQUEST, ErrorCode.UNSUPPORTED_VERSION,
-})
+FATAL_PULL_CODES = frozenset(
+    {
+        ErrorCode.BAD_REQUEST,
+        ErrorCode.BAD_SUBJECT,
+        ErrorCode.BAD_BODY,
+        ErrorCode.UNAUTHORIZED,
+        ErrorCode.UNKNOWN_REQUEST,
+        ErrorCode.UNSUPPORTED_VERSION,
+    }
+)
 
 
 # ---- errors ----------------------------------------------------------------------------------------
@@ -141,22 +147,43 @@ class OutgoingMessage:
         """The message as BROKER_SEND carries it, its body wrapped in the envelope. Raises
         `InvalidMessage` for what a broker would reject, and TypeError for a body that cannot be
         encoded."""
-        return wire_message(self.subject, self.body, key=self.key, tags=self.tags, headers=self.headers,
-                            message_id=self.id, created_at=self.created_at, content_type=self.content_type)
+        return wire_message(
+            self.subject,
+            self.body,
+            key=self.key,
+            tags=self.tags,
+            headers=self.headers,
+            message_id=self.id,
+            created_at=self.created_at,
+            content_type=self.content_type,
+        )
 
 
 class ForwardedMessage(OutgoingMessage):
     """A message whose payload is already an envelope (the delay server handing on what a producer
     sent): sent as it is, with its id."""
 
-    def __init__(self, subject: str, body: Any = None, *, payload: bytes, key: str | None = None,
-                 tags: Sequence[str] = (), id: str) -> None:
+    def __init__(
+        self,
+        subject: str,
+        body: Any = None,
+        *,
+        payload: bytes,
+        key: str | None = None,
+        tags: Sequence[str] = (),
+        id: str,
+    ) -> None:
         super().__init__(subject, body, key=key, tags=tuple(tags), id=id)
         object.__setattr__(self, "payload", payload)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "subject": self.subject, "payload": self.payload, "key": self.key,
-                "tags": list(self.tags)}
+        return {
+            "id": self.id,
+            "subject": self.subject,
+            "payload": self.payload,
+            "key": self.key,
+            "tags": list(self.tags),
+        }
 
 
 def deliver_at_ms(value: datetime | int) -> int:
@@ -170,9 +197,17 @@ def deliver_at_ms(value: datetime | int) -> int:
     raise TypeError(f"deliver_at must be an aware datetime or ms since the epoch, not {type(value).__name__}")
 
 
-def wire_message(subject: str, body: Any, *, key: str | None = None, tags: Sequence[str] = (),
-                 headers: Mapping[str, str] | None = None, message_id: str | None = None,
-                 created_at: int | None = None, content_type: str | None = None) -> dict[str, Any]:
+def wire_message(
+    subject: str,
+    body: Any,
+    *,
+    key: str | None = None,
+    tags: Sequence[str] = (),
+    headers: Mapping[str, str] | None = None,
+    message_id: str | None = None,
+    created_at: int | None = None,
+    content_type: str | None = None,
+) -> dict[str, Any]:
     """`{"id", "subject", "payload", "key", "tags"}` for BROKER_SEND; see `OutgoingMessage.to_wire`."""
     message_id = message_id or new_id()
     try:
@@ -186,11 +221,13 @@ def wire_message(subject: str, body: Any, *, key: str | None = None, tags: Seque
         raise InvalidMessage(ErrorCode.BAD_REQUEST, f"key must be a string of at most {MAX_KEY_LEN} bytes")
     if created_at is None:
         created_at = time.time_ns() // 1_000_000
-    payload = envelope.encode(body, headers=dict(headers) if headers else None, created_at=created_at,
-                              content_type=content_type)
+    payload = envelope.encode(
+        body, headers=dict(headers) if headers else None, created_at=created_at, content_type=content_type
+    )
     if len(payload) > MAX_PAYLOAD_BYTES:
-        raise InvalidMessage(ErrorCode.MESSAGE_TOO_LARGE,
-                             f"message is {len(payload)} bytes, more than a frame can carry")
+        raise InvalidMessage(
+            ErrorCode.MESSAGE_TOO_LARGE, f"message is {len(payload)} bytes, more than a frame can carry"
+        )
     return {"id": message_id, "subject": subject, "payload": payload, "key": key or None, "tags": list(tags)}
 
 
@@ -228,8 +265,9 @@ class GroupHealth:
         return failed_at is not None and now - failed_at < self.suspect_for_s
 
 
-def choose_group(route: Route, message_id: str, *, tried: Sequence[str] = (), health: GroupHealth | None = None,
-                 now: float = 0.0) -> tuple[RouteGroup | None, bool]:
+def choose_group(
+    route: Route, message_id: str, *, tried: Sequence[str] = (), health: GroupHealth | None = None, now: float = 0.0
+) -> tuple[RouteGroup | None, bool]:
     """The group to offer a message to, and whether it is one the message already failed on.
 
     Writable groups (available, not read-only) only; those the message has not been tried on come
@@ -281,8 +319,14 @@ class SendJob:
     `pending_subjects()`, `plan()` batches, send them, report each with `on_reply` or `on_error`,
     until `done`; then `results()`. Messages a broker would reject are answered at once."""
 
-    def __init__(self, messages: Sequence[OutgoingMessage], *, batch_size: int = DEFAULT_BATCH_SIZE,
-                 max_attempts: int = SEND_ATTEMPTS, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
+    def __init__(
+        self,
+        messages: Sequence[OutgoingMessage],
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_attempts: int = SEND_ATTEMPTS,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+    ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.batch_size = batch_size
@@ -325,8 +369,7 @@ class SendJob:
             if self.messages[i].subject == subject:
                 self._results[i] = self._failure(self.messages[i], code, text)
 
-    def plan(self, routes: Mapping[str, Route], health: GroupHealth | None = None,
-             now: float = 0.0) -> list[SendBatch]:
+    def plan(self, routes: Mapping[str, Route], health: GroupHealth | None = None, now: float = 0.0) -> list[SendBatch]:
         """The batches for the next round: each pending message offered to one group. Messages with
         no writable group left, or out of attempts, fail here with the last error they met."""
         by_group: dict[tuple[bool, str], tuple[RouteGroup, list[int]]] = {}
@@ -341,13 +384,20 @@ class SendJob:
                 code, text = self._last_error[i] or (ErrorCode.UNAVAILABLE, "no attempt left")
                 tried = ", ".join(dict.fromkeys(self._tried[i]))
                 self._results[i] = self._failure(
-                    message, code, f"not stored after {len(self._tried[i])} attempts (on {tried}); last: {text}")
+                    message, code, f"not stored after {len(self._tried[i])} attempts (on {tried}); last: {text}"
+                )
                 continue
-            group, again = choose_group(route, message.id, tried=self._tried[i], health=health, now=now) \
-                if route is not None else (None, False)
+            group, again = (
+                choose_group(route, message.id, tried=self._tried[i], health=health, now=now)
+                if route is not None
+                else (None, False)
+            )
             if group is None:
-                text = "no delay server is available for delayed messages" if delayed else \
-                    f"no writable broker group carries subject {message.subject!r}"
+                text = (
+                    "no delay server is available for delayed messages"
+                    if delayed
+                    else f"no writable broker group carries subject {message.subject!r}"
+                )
                 if self._last_error[i] is not None:
                     text += f" (last error: {self._last_error[i][1]})"
                 self._results[i] = self._failure(message, ErrorCode.UNAVAILABLE, text)
@@ -406,8 +456,13 @@ class SendJob:
         return [i for i, r in enumerate(self._results) if r is None]
 
     def _batch(self, group: RouteGroup, indices: list[int], delayed: bool = False) -> SendBatch:
-        return SendBatch(group.name, group.addresses, indices, {"messages": [self.wires[i] for i in indices]},
-                         RequestCode.DELAY_SEND if delayed else RequestCode.BROKER_SEND)
+        return SendBatch(
+            group.name,
+            group.addresses,
+            indices,
+            {"messages": [self.wires[i] for i in indices]},
+            RequestCode.DELAY_SEND if delayed else RequestCode.BROKER_SEND,
+        )
 
     @staticmethod
     def _failure(message: OutgoingMessage, code: int, text: str) -> SendResult:
@@ -460,8 +515,10 @@ class SubscribeOptions:
         except ProtocolError as exc:
             raise ValueError(exc.message) from None
         if not isinstance(self.group, str) or len(self.group) > MAX_GROUP_LEN or not GROUP_RE.fullmatch(self.group):
-            raise ValueError(f"group {self.group!r} must be 1-{MAX_GROUP_LEN} letters, digits, '.', '_' or '-', "
-                             "starting with a letter or digit")
+            raise ValueError(
+                f"group {self.group!r} must be 1-{MAX_GROUP_LEN} letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
         if not isinstance(self.consumer, str) or not CONSUMER_RE.fullmatch(self.consumer):
             raise ValueError(f"consumer {self.consumer!r} must be 1-200 letters, digits, '.', '_', '-', ':' or '@'")
         if self.start not in STARTS:
@@ -601,9 +658,15 @@ class SubscriptionState:
         o = self.options
         pulled = {key[1]: t.pulled for key, t in self._trackers.items() if key[0] == address and t.pulled is not None}
         return {
-            "subject": o.subject, "group": o.group, "consumer": o.consumer,
-            "max": max(1, min(max_count, 4096)), "wait_ms": int(max(0.0, min(wait_s, MAX_PULL_WAIT_S)) * 1000),
-            "tags": list(o.tags), "match_all": o.match_all, "broadcast": o.broadcast, "start": o.start,
+            "subject": o.subject,
+            "group": o.group,
+            "consumer": o.consumer,
+            "max": max(1, min(max_count, 4096)),
+            "wait_ms": int(max(0.0, min(wait_s, MAX_PULL_WAIT_S)) * 1000),
+            "tags": list(o.tags),
+            "match_all": o.match_all,
+            "broadcast": o.broadcast,
+            "start": o.start,
             "pulled": pulled,
         }
 
@@ -678,16 +741,28 @@ class SubscriptionState:
             del self._trackers[_key(delivery)]
             self._drops[delivery.broker] += 1
 
-    def nack_request(self, delivery: Delivery, delay_s: float, *, dead: bool = False, reason: str = "",
-                     max_attempts: int | None = None) -> dict[str, Any]:
+    def nack_request(
+        self,
+        delivery: Delivery,
+        delay_s: float,
+        *,
+        dead: bool = False,
+        reason: str = "",
+        max_attempts: int | None = None,
+    ) -> dict[str, Any]:
         if not delay_s >= 0 or delay_s == float("inf"):
             raise ValueError(f"delay_s must be a finite number of seconds >= 0, not {delay_s!r}")
         if max_attempts is not None and max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         nack: dict[str, Any] = {
-            "subject": delivery.stored_subject, "group": delivery.group_key, "consumer": delivery.consumer,
-            "pull_seq": delivery.pull_seq, "attempt": delivery.attempt, "delay_ms": int(delay_s * 1000),
-            "dead": bool(dead), "reason": str(reason)[:1000],
+            "subject": delivery.stored_subject,
+            "group": delivery.group_key,
+            "consumer": delivery.consumer,
+            "pull_seq": delivery.pull_seq,
+            "attempt": delivery.attempt,
+            "delay_ms": int(delay_s * 1000),
+            "dead": bool(dead),
+            "reason": str(reason)[:1000],
         }
         if max_attempts is not None:
             nack["max_attempts"] = int(max_attempts)
@@ -710,13 +785,23 @@ class SubscriptionState:
         payload = bytes(message.get("payload") or b"")
         env = envelope.decode(payload)
         return Delivery(
-            id=str(message["id"]), subject=str(message.get("subject") or self.options.subject),
-            body=env.body, content_type=env.content_type, headers=dict(env.headers),
-            tags=tuple(message.get("tags") or ()), key=message.get("key"),
-            attempt=int(message.get("attempt") or 1), created_at=ms_to_datetime(env.created_at),
-            stored_at=ms_to_datetime(message.get("stored_at")), payload=payload,
-            broker=address, stored_subject=stored, group_key=group_key, consumer=consumer,
-            pull_seq=pull_seq, epoch=tracker.epoch,
+            id=str(message["id"]),
+            subject=str(message.get("subject") or self.options.subject),
+            body=env.body,
+            content_type=env.content_type,
+            headers=dict(env.headers),
+            tags=tuple(message.get("tags") or ()),
+            key=message.get("key"),
+            attempt=int(message.get("attempt") or 1),
+            created_at=ms_to_datetime(env.created_at),
+            stored_at=ms_to_datetime(message.get("stored_at")),
+            payload=payload,
+            broker=address,
+            stored_subject=stored,
+            group_key=group_key,
+            consumer=consumer,
+            pull_seq=pull_seq,
+            epoch=tracker.epoch,
         )
 
 

@@ -36,8 +36,9 @@ def _connect_failed(address: str, exc: OSError) -> ConnectFailed:
 class ConnectionPool:
     """Thread-safe. Opening a connection to one address never waits for another address."""
 
-    def __init__(self, *, client_id: str | None = None, token: str | None = None,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    def __init__(
+        self, *, client_id: str | None = None, token: str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S
+    ) -> None:
         self.client_id = client_id
         self.token = token
         self.connect_timeout_s = connect_timeout_s
@@ -65,8 +66,9 @@ class ConnectionPool:
                 conn.close()  # already lost: this only releases its socket and reader thread
             host, port = parse_address(address)
             try:
-                conn = BlockingConnection.open(host, port, client_id=self.client_id, token=self.token,
-                                               timeout=self.connect_timeout_s)
+                conn = BlockingConnection.open(
+                    host, port, client_id=self.client_id, token=self.token, timeout=self.connect_timeout_s
+                )
             except OSError as exc:
                 raise _connect_failed(address, exc) from None
             with self._lock:
@@ -76,8 +78,9 @@ class ConnectionPool:
                 self._connections[address] = conn
             return conn
 
-    def request(self, address: str, code: int, body: dict[str, Any] | None,
-                timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    def request(
+        self, address: str, code: int, body: dict[str, Any] | None, timeout: float = REQUEST_TIMEOUT_S
+    ) -> dict[str, Any]:
         return self.get(address).request(code, body, timeout)
 
     def close(self) -> None:
@@ -92,8 +95,9 @@ class ConnectionPool:
 class AsyncConnectionPool:
     """The same for asyncio; used from one event loop."""
 
-    def __init__(self, *, client_id: str | None = None, token: str | None = None,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    def __init__(
+        self, *, client_id: str | None = None, token: str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S
+    ) -> None:
         self.client_id = client_id
         self.token = token
         self.connect_timeout_s = connect_timeout_s
@@ -115,8 +119,9 @@ class AsyncConnectionPool:
                 await conn.close()
             host, port = parse_address(address)
             try:
-                conn = await AsyncConnection.open(host, port, client_id=self.client_id, token=self.token,
-                                                  timeout=self.connect_timeout_s)
+                conn = await AsyncConnection.open(
+                    host, port, client_id=self.client_id, token=self.token, timeout=self.connect_timeout_s
+                )
             except OSError as exc:
                 raise _connect_failed(address, exc) from None
             if self._closed:
@@ -125,8 +130,9 @@ class AsyncConnectionPool:
             self._connections[address] = conn
             return conn
 
-    async def request(self, address: str, code: int, body: dict[str, Any] | None,
-                      timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    async def request(
+        self, address: str, code: int, body: dict[str, Any] | None, timeout: float = REQUEST_TIMEOUT_S
+    ) -> dict[str, Any]:
         conn = await self.get(address)
         return await conn.request(code, body, timeout)
 

@@ -76,14 +76,18 @@ def parse_route(subject: str, reply: dict[str, Any]) -> Route:
     """A META_ROUTE reply as a `Route`; groups keep the order the meta server gave them."""
     groups = []
     for item in reply.get("groups") or ():
-        groups.append(RouteGroup(
-            name=str(item["name"]),
-            addresses=tuple(str(a) for a in item.get("addresses") or ()),
-            available=bool(item.get("available", True)),
-            read_only=bool(item.get("read_only", False)),
-        ))
-    delay_servers = tuple(RouteGroup(str(item["address"]), (str(item["address"]),), bool(item.get("available", True)))
-                          for item in reply.get("delay_servers") or ())
+        groups.append(
+            RouteGroup(
+                name=str(item["name"]),
+                addresses=tuple(str(a) for a in item.get("addresses") or ()),
+                available=bool(item.get("available", True)),
+                read_only=bool(item.get("read_only", False)),
+            )
+        )
+    delay_servers = tuple(
+        RouteGroup(str(item["address"]), (str(item["address"]),), bool(item.get("available", True)))
+        for item in reply.get("delay_servers") or ()
+    )
     return Route(subject, tuple(groups), delay_servers)
 
 
@@ -91,8 +95,11 @@ def static_route(subject: str, brokers: Sequence[str], delay_servers: Sequence[s
     """The route when broker (and delay server) addresses are given directly: every address is a
     group of its own, named by its address, and always assumed writable (a failed send tries the
     next one)."""
-    return Route(subject, tuple(RouteGroup(address, (address,)) for address in brokers),
-                 tuple(RouteGroup(address, (address,)) for address in delay_servers))
+    return Route(
+        subject,
+        tuple(RouteGroup(address, (address,)) for address in brokers),
+        tuple(RouteGroup(address, (address,)) for address in delay_servers),
+    )
 
 
 def with_delay_servers(route: Route, delay_servers: Sequence[str]) -> Route:
@@ -104,8 +111,9 @@ def with_delay_servers(route: Route, delay_servers: Sequence[str]) -> Route:
 
 def listed_delay_servers(reply: dict[str, Any]) -> list[str]:
     """The available delay servers in a META_LIST reply."""
-    return [str(s["address"]) for s in reply.get("servers") or ()
-            if s.get("kind") == "delay" and s.get("available", True)]
+    return [
+        str(s["address"]) for s in reply.get("servers") or () if s.get("kind") == "delay" and s.get("available", True)
+    ]
 
 
 class RouteCache:

@@ -27,17 +27,24 @@ DAY_S = 86400.0
 
 
 @shared_task(name="qmq.relay_sweep")
-def relay_sweep(db: str | Sequence[str] | None = None, meta: str | None = None,
-                brokers: Sequence[str] | None = None, delay_servers: Sequence[str] | None = None,
-                keep_sent_days: float = KEEP_SENT_S / DAY_S,
-                batch_rows: int = 500, token: str | None = None) -> list[dict[str, Any]]:
+def relay_sweep(
+    db: str | Sequence[str] | None = None,
+    meta: str | None = None,
+    brokers: Sequence[str] | None = None,
+    delay_servers: Sequence[str] | None = None,
+    keep_sent_days: float = KEEP_SENT_S / DAY_S,
+    batch_rows: int = 500,
+    token: str | None = None,
+) -> list[dict[str, Any]]:
     """One sweep of each outbox database; a report per database (shipped, failed, purged, flagged,
     pending, errors)."""
     urls = [db] if isinstance(db, str) else list(db or os.environ.get(DB_URL_ENV, "").split())
     if not urls:
         raise ValueError(f"qmq.relay_sweep needs db= (an outbox database URL) or ${DB_URL_ENV}")
     settings = RelaySettings(batch_rows=batch_rows, keep_sent_s=keep_sent_days * DAY_S)
-    relay = Relay([normalize_url(u) for u in urls],
-                  lambda: Client(meta=meta, brokers=brokers, delay_servers=delay_servers, token=token,
-                                 client_id="relay-celery"), settings)
+    relay = Relay(
+        [normalize_url(u) for u in urls],
+        lambda: Client(meta=meta, brokers=brokers, delay_servers=delay_servers, token=token, client_id="relay-celery"),
+        settings,
+    )
     return [report.__dict__ for report in relay.sweep()]

@@ -23,8 +23,10 @@ def create_statements(tables: list[sa.Table], dialect_name: str) -> list[str]:
     statements = []
     for table in tables:
         statements.append(str(CreateTable(table).compile(dialect=d)).strip())
-        statements += [str(CreateIndex(index).compile(dialect=d)).strip()
-                       for index in sorted(table.indexes, key=lambda i: i.name or "")]
+        statements += [
+            str(CreateIndex(index).compile(dialect=d)).strip()
+            for index in sorted(table.indexes, key=lambda i: i.name or "")
+        ]
     return statements
 
 

@@ -23,7 +23,7 @@ def normalize_url(url: str) -> str:
         raise ValueError("database URL is empty")
     for prefix in _PSYCOPG_PREFIXES:
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 

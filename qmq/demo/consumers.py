@@ -23,8 +23,15 @@ def bill(message: qmq.Message, session) -> None:
     session.execute(invoices.insert().values(order_id=message.body["id"]))
 
 
-@app.consumer("order.created", group="email", idempotent=True, start="earliest", retry_backoff=0.5,
-              retry_jitter=False, max_retries=5)
+@app.consumer(
+    "order.created",
+    group="email",
+    idempotent=True,
+    start="earliest",
+    retry_backoff=0.5,
+    retry_jitter=False,
+    max_retries=5,
+)
 def confirm(message: qmq.Message, session) -> None:
     order_id = message.body["id"]
     if order_id % FLAKY_EVERY == 3 and message.attempts <= EMAIL_FAILURES:
@@ -39,7 +46,8 @@ def payment_timeout(message: qmq.Message, session) -> None:
     session.execute(timeouts.insert().values(order_id=order_id, cancelled=not paid))  # unpaid: cancelled
 
 
-@app.consumer("order.gift", group="gifts", idempotent=True, start="earliest", retry_backoff=0.2,
-              retry_jitter=False, max_retries=2)
+@app.consumer(
+    "order.gift", group="gifts", idempotent=True, start="earliest", retry_backoff=0.2, retry_jitter=False, max_retries=2
+)
 def wrap_gift(message: qmq.Message) -> None:
     raise RuntimeError("the gift-wrapping service is down")

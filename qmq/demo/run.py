@@ -115,8 +115,11 @@ def run_demo(order_count: int = 200, keep: bool = False) -> int:
         with psycopg.connect(admin, autocommit=True, connect_timeout=5) as conn:
             conn.execute(f'CREATE DATABASE "{db_name}"')
     except psycopg.Error as exc:
-        print(f"qmq demo needs PostgreSQL ({admin}, or set ${PG_ADMIN_ENV}): {exc}\n"
-              "bash scripts/demo.sh starts one on a fresh Debian machine.", file=sys.stderr)
+        print(
+            f"qmq demo needs PostgreSQL ({admin}, or set ${PG_ADMIN_ENV}): {exc}\n"
+            "bash scripts/demo.sh starts one on a fresh Debian machine.",
+            file=sys.stderr,
+        )
         return 2
     db_url = admin.rsplit("/", 1)[0] + "/" + db_name
     cluster = DevCluster(work / "cluster", outbox_url=db_url, meta_port=0, broker_port=0, delay_port=0)
@@ -130,15 +133,39 @@ def run_demo(order_count: int = 200, keep: bool = False) -> int:
         env = {**os.environ, "QMQ_META": cluster.meta, "QMQ_DB_URL": db_url}
         for n in range(WORKERS):
             with open(work / f"worker-{n}.log", "ab") as log:
-                workers.append(subprocess.Popen(
-                    [sys.executable, "-m", "qmq", "worker", "-A", "qmq.demo.consumers:app", "-c", "4",
-                     "-n", f"demo-{n}", "-l", "INFO"], env=env, stdout=log, stderr=log, start_new_session=True))
+                workers.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "qmq",
+                            "worker",
+                            "-A",
+                            "qmq.demo.consumers:app",
+                            "-c",
+                            "4",
+                            "-n",
+                            f"demo-{n}",
+                            "-l",
+                            "INFO",
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=log,
+                        start_new_session=True,
+                    )
+                )
         plan = Plan(order_count)
         producer = qmq.Producer(meta=cluster.meta, engine=engine)
         produced = place_orders(plan, producer, progress)
         progress.step("a shop process commits an order and is SIGKILLed before it can send it")
-        crash = subprocess.run([sys.executable, "-c", CRASHING_SHOP, db_url, cluster.meta, str(CRASH_ORDER_ID)],
-                               env=env, capture_output=True, text=True, timeout=60)
+        crash = subprocess.run(
+            [sys.executable, "-c", CRASHING_SHOP, db_url, cluster.meta, str(CRASH_ORDER_ID)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if crash.returncode != -signal.SIGKILL:
             raise RuntimeError(f"the crashing shop did not crash as planned: {crash.stderr[-2000:]}")
         produced += 2  # its order.created and payment.timeout, committed, left for the relay
@@ -166,15 +193,24 @@ def run_demo(order_count: int = 200, keep: bool = False) -> int:
 
 
 def place_orders(plan: Plan, producer: qmq.Producer, progress: Progress) -> int:
-    progress.step(f"placing {plan.count} orders: every {DECLINE_EVERY}th payment declined (rolled back), "
-                  f"every {GIFT_EVERY}th a gift, a payment timeout for each")
+    progress.step(
+        f"placing {plan.count} orders: every {DECLINE_EVERY}th payment declined (rolled back), "
+        f"every {GIFT_EVERY}th a gift, a payment timeout for each"
+    )
     place_order = order_placer(producer)
     produced = 0
 
     def place(order_id: int) -> int:
         try:
-            return len(place_order(order_id=order_id, item=f"item-{order_id}", pay=plan.paid(order_id),
-                                   decline=plan.declined(order_id), gift=plan.gift(order_id)))
+            return len(
+                place_order(
+                    order_id=order_id,
+                    item=f"item-{order_id}",
+                    pay=plan.paid(order_id),
+                    decline=plan.declined(order_id),
+                    gift=plan.gift(order_id),
+                )
+            )
         except PaymentDeclined:
             return 0
 
@@ -192,15 +228,19 @@ def settle(plan: Plan, engine: sa.Engine, broker: str, progress: Progress) -> No
 
     def counts() -> tuple[int, int, int, int]:
         with engine.connect() as conn:
-            billed, mailed, timed_out = (conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
-                                         for t in (invoices, emails, timeouts))
+            billed, mailed, timed_out = (
+                conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
+                for t in (invoices, emails, timeouts)
+            )
         return billed, mailed, timed_out, dead_letters(broker, "order.gift")
 
     deadline = time.monotonic() + SETTLE_DEADLINE_S
     while True:
         billed, mailed, timed_out, dead = counts()
-        progress.status(f"billed {billed}/{len(committed)}, e-mailed {mailed}/{len(committed)}, "
-                        f"payment timeouts {timed_out}/{len(committed)}, gifts dead-lettered {dead}/{gifts}")
+        progress.status(
+            f"billed {billed}/{len(committed)}, e-mailed {mailed}/{len(committed)}, "
+            f"payment timeouts {timed_out}/{len(committed)}, gifts dead-lettered {dead}/{gifts}"
+        )
         if (billed, mailed, timed_out, dead) == (len(committed), len(committed), len(committed), gifts):
             return
         if time.monotonic() > deadline:
@@ -222,8 +262,25 @@ def reconcile(cluster: DevCluster, db_url: str, work: Path, since: datetime) -> 
     qmq_cli("ledger", "export", "--data-dir", str(cluster.data_dir / "broker"), "--out", str(ledger), "--name", "dev")
     qmq_cli("ledger", "export", "--data-dir", str(cluster.data_dir / "delay"), "--out", str(ledger), "--name", "delay")
     until = datetime.now(UTC) + timedelta(seconds=1)
-    qmq_cli("reconcile", "--outbox-db", db_url, "--consumed-db", db_url, "--ledger", str(ledger), "--out", str(out),
-            "--since", since.isoformat(), "--until", until.isoformat(), "--grace", "0s", "--master", "local[2]")
+    qmq_cli(
+        "reconcile",
+        "--outbox-db",
+        db_url,
+        "--consumed-db",
+        db_url,
+        "--ledger",
+        str(ledger),
+        "--out",
+        str(out),
+        "--since",
+        since.isoformat(),
+        "--until",
+        until.isoformat(),
+        "--grace",
+        "0s",
+        "--master",
+        "local[2]",
+    )
     return json.loads((out / "summary.json").read_text())
 
 
@@ -235,12 +292,17 @@ def report(plan: Plan, engine: sa.Engine, produced: int, summary: dict, progress
         cancelled = conn.execute(sa.select(sa.func.count()).where(timeouts.c.cancelled)).scalar_one()
     declined = sum(1 for i in plan.ids() if plan.declined(i))
     lines = [
-        ("orders committed", len(committed)), ("orders rolled back (no message exists)", declined),
-        ("messages produced", produced), ("  of which delayed (payment timeouts)", len(committed)),
-        ("delivered", summary.get("delivered", 0)), ("retried before success (e-mails)", retried),
+        ("orders committed", len(committed)),
+        ("orders rolled back (no message exists)", declined),
+        ("messages produced", produced),
+        ("  of which delayed (payment timeouts)", len(committed)),
+        ("delivered", summary.get("delivered", 0)),
+        ("retried before success (e-mails)", retried),
         ("dead-lettered (gift wrapping)", summary.get("dead_lettered", 0)),
-        ("redelivered", summary.get("redelivered", 0)), ("orphaned", summary.get("orphaned", 0)),
-        ("not shipped", summary.get("not_shipped", 0)), ("not acked", summary.get("not_acked", 0)),
+        ("redelivered", summary.get("redelivered", 0)),
+        ("orphaned", summary.get("orphaned", 0)),
+        ("not shipped", summary.get("not_shipped", 0)),
+        ("not acked", summary.get("not_acked", 0)),
         ("orders cancelled by their payment timeout", cancelled),
     ]
     print("\nqmq demo: the reconciliation's account of every message")

@@ -12,14 +12,26 @@ import qmq
 PAYMENT_TIMEOUT_S = 3.0  # a real shop: 30 minutes
 
 metadata = sa.MetaData()
-orders = sa.Table("demo_orders", metadata, sa.Column("id", sa.Integer, primary_key=True),
-                  sa.Column("item", sa.String(50), nullable=False),
-                  sa.Column("paid", sa.Boolean, nullable=False, server_default=sa.false()))
+orders = sa.Table(
+    "demo_orders",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("item", sa.String(50), nullable=False),
+    sa.Column("paid", sa.Boolean, nullable=False, server_default=sa.false()),
+)
 invoices = sa.Table("demo_invoices", metadata, sa.Column("order_id", sa.Integer, primary_key=True))
-emails = sa.Table("demo_emails", metadata, sa.Column("order_id", sa.Integer, primary_key=True),
-                  sa.Column("attempts", sa.Integer, nullable=False))
-timeouts = sa.Table("demo_payment_timeouts", metadata, sa.Column("order_id", sa.Integer, primary_key=True),
-                    sa.Column("cancelled", sa.Boolean, nullable=False))
+emails = sa.Table(
+    "demo_emails",
+    metadata,
+    sa.Column("order_id", sa.Integer, primary_key=True),
+    sa.Column("attempts", sa.Integer, nullable=False),
+)
+timeouts = sa.Table(
+    "demo_payment_timeouts",
+    metadata,
+    sa.Column("order_id", sa.Integer, primary_key=True),
+    sa.Column("cancelled", sa.Boolean, nullable=False),
+)
 
 
 class PaymentDeclined(Exception):
@@ -30,11 +42,14 @@ def order_placer(producer: qmq.Producer):
     """`place_order(order_id, item, pay, decline, gift) -> message ids`, one transaction each."""
 
     @qmq.transactional(producer)
-    def place_order(session: Session, order_id: int, item: str, *, pay: bool = False, decline: bool = False,
-                    gift: bool = False) -> list[str]:
+    def place_order(
+        session: Session, order_id: int, item: str, *, pay: bool = False, decline: bool = False, gift: bool = False
+    ) -> list[str]:
         session.execute(orders.insert().values(id=order_id, item=item, paid=pay))
-        ids = [producer.send("order.created", {"id": order_id, "item": item}, key=str(order_id)),
-               producer.send("payment.timeout", {"id": order_id}, key=str(order_id), delay=PAYMENT_TIMEOUT_S)]
+        ids = [
+            producer.send("order.created", {"id": order_id, "item": item}, key=str(order_id)),
+            producer.send("payment.timeout", {"id": order_id}, key=str(order_id), delay=PAYMENT_TIMEOUT_S),
+        ]
         if gift:
             ids.append(producer.send("order.gift", {"id": order_id}, key=str(order_id)))
         if decline:

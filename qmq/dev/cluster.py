@@ -94,15 +94,48 @@ class DevCluster:
                 raise RuntimeError(f"port {port} is taken: stop what uses it, or pick other ports")
         upgrade(self.outbox_url)
         self.servers = [
-            Server("meta", ["meta", "--port", str(self.meta_port), "--db", self.meta_db_url], self.meta_port,
-                   logs / "meta.log"),
-            Server("broker", ["broker", "--data-dir", str(self.data_dir / "broker"), "--port", str(self.broker_port),
-                              "--meta", self.meta, "--group", BROKER_GROUP], self.broker_port, logs / "broker.log"),
-            Server("delay-server", ["delay-server", "--data-dir", str(self.data_dir / "delay"),
-                                    "--port", str(self.delay_port), "--meta", self.meta], self.delay_port,
-                   logs / "delay-server.log"),
-            Server("relay", ["relay", "--db", self.outbox_url, "--meta", self.meta,
-                             "--poll-interval", str(self.relay_poll_s)], None, logs / "relay.log"),
+            Server(
+                "meta",
+                ["meta", "--port", str(self.meta_port), "--db", self.meta_db_url],
+                self.meta_port,
+                logs / "meta.log",
+            ),
+            Server(
+                "broker",
+                [
+                    "broker",
+                    "--data-dir",
+                    str(self.data_dir / "broker"),
+                    "--port",
+                    str(self.broker_port),
+                    "--meta",
+                    self.meta,
+                    "--group",
+                    BROKER_GROUP,
+                ],
+                self.broker_port,
+                logs / "broker.log",
+            ),
+            Server(
+                "delay-server",
+                [
+                    "delay-server",
+                    "--data-dir",
+                    str(self.data_dir / "delay"),
+                    "--port",
+                    str(self.delay_port),
+                    "--meta",
+                    self.meta,
+                ],
+                self.delay_port,
+                logs / "delay-server.log",
+            ),
+            Server(
+                "relay",
+                ["relay", "--db", self.outbox_url, "--meta", self.meta, "--poll-interval", str(self.relay_poll_s)],
+                None,
+                logs / "relay.log",
+            ),
         ]
         try:
             for server in self.servers:
@@ -114,8 +147,9 @@ class DevCluster:
     def _start(self, server: Server) -> None:
         env = {**os.environ, "QMQ_TOKEN": os.environ.get("QMQ_TOKEN", "")}
         with open(server.log_path, "ab") as log:
-            server.proc = subprocess.Popen([sys.executable, "-m", "qmq", *server.args], stdout=log, stderr=log,
-                                           env=env, start_new_session=True)
+            server.proc = subprocess.Popen(
+                [sys.executable, "-m", "qmq", *server.args], stdout=log, stderr=log, env=env, start_new_session=True
+            )
         if server.port is None:
             return
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -123,8 +157,10 @@ class DevCluster:
             if server.proc.poll() is not None:
                 raise RuntimeError(f"the {server.name} exited with {server.proc.returncode}; see {server.log_path}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the {server.name} did not listen on {server.port} within "
-                                   f"{READY_TIMEOUT_S:.0f} s; see {server.log_path}")
+                raise RuntimeError(
+                    f"the {server.name} did not listen on {server.port} within "
+                    f"{READY_TIMEOUT_S:.0f} s; see {server.log_path}"
+                )
             time.sleep(0.05)
 
     def dead(self) -> list[Server]:
@@ -147,13 +183,15 @@ class DevCluster:
                 server.proc.wait()
 
     def describe(self) -> str:
-        return "\n".join([
-            f"qmq dev cluster is up; data and logs in {self.data_dir}",
-            f"  meta server   {self.meta}      export QMQ_META={self.meta}",
-            f"  broker group  {BROKER_GROUP:<5}  {self.broker}",
-            f"  delay server  {self.delay}",
-            f"  relay         shipping the outbox at {self.outbox_url}",
-            f"                export QMQ_DB_URL={self.outbox_url}",
-            "Try: qmq send hello '\"world\"' --json && qmq tail hello --group me --from earliest --count 1",
-            "Ctrl-C stops everything.",
-        ])
+        return "\n".join(
+            [
+                f"qmq dev cluster is up; data and logs in {self.data_dir}",
+                f"  meta server   {self.meta}      export QMQ_META={self.meta}",
+                f"  broker group  {BROKER_GROUP:<5}  {self.broker}",
+                f"  delay server  {self.delay}",
+                f"  relay         shipping the outbox at {self.outbox_url}",
+                f"                export QMQ_DB_URL={self.outbox_url}",
+                "Try: qmq send hello '\"world\"' --json && qmq tail hello --group me --from earliest --count 1",
+                "Ctrl-C stops everything.",
+            ]
+        )

@@ -33,11 +33,17 @@ class DelayLedger:
             self.cancelled.add(record.message_id)
         elif record.flags & delay_records.DELAYED and record.store_ts in self.window:
             env = envelope.decode(delay_records.body_of(record.payload))
-            self._rows.setdefault(record.message_id, {
-                "message_id": record.message_id, "subject": record.subject, "stored_at": record.store_ts,
-                "due_at": delay_records.due_of(record.payload), "created_at": env.created_at,
-                "producer": env.headers.get(t.PRODUCER_HEADER),
-            })
+            self._rows.setdefault(
+                record.message_id,
+                {
+                    "message_id": record.message_id,
+                    "subject": record.subject,
+                    "stored_at": record.store_ts,
+                    "due_at": delay_records.due_of(record.payload),
+                    "created_at": env.created_at,
+                    "producer": env.headers.get(t.PRODUCER_HEADER),
+                },
+            )
 
     def add_cancels(self, message_ids: Iterable[str]) -> None:
         self.cancelled.update(message_ids)
@@ -46,5 +52,11 @@ class DelayLedger:
         self.dispatched.update(message_ids)
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{**row, "dispatched": row["message_id"] in self.dispatched,
-                 "cancelled": row["message_id"] in self.cancelled} for row in self._rows.values()]
+        return [
+            {
+                **row,
+                "dispatched": row["message_id"] in self.dispatched,
+                "cancelled": row["message_id"] in self.cancelled,
+            }
+            for row in self._rows.values()
+        ]

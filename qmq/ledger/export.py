@@ -59,8 +59,9 @@ def window_of(since: datetime | None, until: datetime | None) -> Window:
     return Window(since_ms, until_ms)
 
 
-def export(data_dir: Path, out: Path, *, name: str | None = None, since: datetime | None = None,
-           until: datetime | None = None) -> ExportReport:
+def export(
+    data_dir: Path, out: Path, *, name: str | None = None, since: datetime | None = None, until: datetime | None = None
+) -> ExportReport:
     """Export the store at `data_dir` into the ledger at `out`; raises FileNotFoundError for a
     directory that is not a store."""
     message_log_dir(data_dir)  # a clear error for a directory that is not a store
@@ -68,8 +69,14 @@ def export(data_dir: Path, out: Path, *, name: str | None = None, since: datetim
     as_of_ms = time.time_ns() // 1_000_000
     delay = is_delay_store(data_dir)
     report = ExportReport(
-        name=name or data_dir.resolve().name, kind="delay" if delay else "broker", data_dir=str(data_dir.resolve()),
-        as_of=_iso(as_of_ms), as_of_ms=as_of_ms, since=_iso(window.since_ms), until=_iso(window.until_ms))
+        name=name or data_dir.resolve().name,
+        kind="delay" if delay else "broker",
+        data_dir=str(data_dir.resolve()),
+        as_of=_iso(as_of_ms),
+        as_of_ms=as_of_ms,
+        since=_iso(window.since_ms),
+        until=_iso(window.until_ms),
+    )
     scan = VerifyReport()
     keep = _partial_day(data_dir)
     if delay:
@@ -86,8 +93,9 @@ def export(data_dir: Path, out: Path, *, name: str | None = None, since: datetim
     return report
 
 
-def _export_broker(data_dir: Path, out: Path, report: ExportReport, window: Window, scan: VerifyReport,
-                   keep: frozenset[str]) -> None:
+def _export_broker(
+    data_dir: Path, out: Path, report: ExportReport, window: Window, scan: VerifyReport, keep: frozenset[str]
+) -> None:
     messages = DayFiles(out, t.MESSAGES, report.name, "first_stored_at", keep)
     deliveries = DayFiles(out, t.DELIVERIES, report.name, "first_stored_at", keep)
     try:
@@ -108,8 +116,9 @@ def _export_broker(data_dir: Path, out: Path, report: ExportReport, window: Wind
     report.rows[t.GROUPS] = {"all": len(groups)}
 
 
-def _export_delayed(data_dir: Path, out: Path, report: ExportReport, window: Window, scan: VerifyReport,
-                    keep: frozenset[str]) -> None:
+def _export_delayed(
+    data_dir: Path, out: Path, report: ExportReport, window: Window, scan: VerifyReport, keep: frozenset[str]
+) -> None:
     ledger = DelayLedger(window)
     for record in iter_records(data_dir, scan):
         ledger.feed(record)
@@ -152,8 +161,15 @@ def _snapshot_groups(data_dir: Path, report: ExportReport) -> list[dict[str, Any
     rows = []
     for group in (state or {}).get("groups", []):
         if parse_system_subject(group["subject"]) is None:
-            rows.append({"subject": group["subject"], "group": group["group"], "broadcast": bool(group["broadcast"]),
-                         "created_at": None, "start_seq": None})
+            rows.append(
+                {
+                    "subject": group["subject"],
+                    "group": group["group"],
+                    "broadcast": bool(group["broadcast"]),
+                    "created_at": None,
+                    "start_seq": None,
+                }
+            )
     return rows
 
 
@@ -164,8 +180,9 @@ def merge_groups(*sources: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for row in rows:
             key = (row["subject"], row["group"])
             old = merged.get(key)
-            if old is None or (row["created_at"] is not None and (old["created_at"] is None
-                                                                  or row["created_at"] < old["created_at"])):
+            if old is None or (
+                row["created_at"] is not None and (old["created_at"] is None or row["created_at"] < old["created_at"])
+            ):
                 merged[key] = dict(row)
     return sorted(merged.values(), key=lambda r: (r["subject"], r["group"]))
 

@@ -214,12 +214,23 @@ class BrokerLedger:
             return
         self._remember(record, subject, subject.add(record.message_id, record.store_ts), 1)
         env = envelope.decode(record.payload)
-        self.on_message({
-            "message_id": record.message_id, "subject": subject.name, "stored_subject": subject.name,
-            "group": None, "origin": t.PRODUCER, "attempt": 1, "reason": None, "stored_at": record.store_ts,
-            "first_stored_at": record.store_ts, "created_at": env.created_at,
-            "producer": env.headers.get(t.PRODUCER_HEADER), "size": len(env.raw), "offset": record.offset,
-        })
+        self.on_message(
+            {
+                "message_id": record.message_id,
+                "subject": subject.name,
+                "stored_subject": subject.name,
+                "group": None,
+                "origin": t.PRODUCER,
+                "attempt": 1,
+                "reason": None,
+                "stored_at": record.store_ts,
+                "first_stored_at": record.store_ts,
+                "created_at": env.created_at,
+                "producer": env.headers.get(t.PRODUCER_HEADER),
+                "size": len(env.raw),
+                "offset": record.offset,
+            }
+        )
 
     def _copy(self, record: Record, kind: str, subject_name: str, group: str) -> None:
         subject = self._subject(subject_name)
@@ -230,12 +241,23 @@ class BrokerLedger:
         wrapped = unwrap(record)
         self._remember(record, subject, n, wrapped.attempt)
         origin = t.DEAD if kind == "DEAD" else t.REDRIVEN if wrapped.reason == REDRIVE_REASON else t.RETRY
-        self.on_message({
-            "message_id": record.message_id, "subject": subject.name, "stored_subject": record.subject,
-            "group": group, "origin": origin, "attempt": wrapped.attempt, "reason": wrapped.reason or None,
-            "stored_at": record.store_ts, "first_stored_at": subject.first_stored_ms[n], "created_at": None,
-            "producer": None, "size": len(wrapped.payload), "offset": record.offset,
-        })
+        self.on_message(
+            {
+                "message_id": record.message_id,
+                "subject": subject.name,
+                "stored_subject": record.subject,
+                "group": group,
+                "origin": origin,
+                "attempt": wrapped.attempt,
+                "reason": wrapped.reason or None,
+                "stored_at": record.store_ts,
+                "first_stored_at": subject.first_stored_ms[n],
+                "created_at": None,
+                "producer": None,
+                "size": len(wrapped.payload),
+                "offset": record.offset,
+            }
+        )
         fates = subject.fates(group, n)
         fates.last[n] = DEAD if kind == "DEAD" else COPIED
         if kind == "DEAD":
@@ -249,13 +271,21 @@ class BrokerLedger:
             if isinstance(action, Pull):
                 self._pulled(entry.subject, entry.key, action, ms)
             elif isinstance(action, Ack | Release):
-                self._settled(entry.subject, entry.key, action.consumer, action.last_pull, ms,
-                              acked=isinstance(action, Ack))
+                self._settled(
+                    entry.subject, entry.key, action.consumer, action.last_pull, ms, acked=isinstance(action, Ack)
+                )
         elif isinstance(entry, journal.Create):
             self._broadcast[entry.key] = entry.broadcast
             if parse_system_subject(entry.subject) is None:
-                self.group_rows.append({"subject": entry.subject, "group": entry.key, "broadcast": entry.broadcast,
-                                        "created_at": ms, "start_seq": entry.cursor})
+                self.group_rows.append(
+                    {
+                        "subject": entry.subject,
+                        "group": entry.key,
+                        "broadcast": entry.broadcast,
+                        "created_at": ms,
+                        "start_seq": entry.cursor,
+                    }
+                )
         elif isinstance(entry, journal.Schedule):
             self._failed(entry)
 
@@ -309,11 +339,18 @@ class BrokerLedger:
                         continue
                     status = fates.status(n)
                     yield {
-                        "message_id": subject.ids[n], "subject": subject.name, "group": group, "broadcast": broadcast,
-                        "times_delivered": fates.delivered[n], "first_delivered_at": _ms(fates.first_ms[n]),
-                        "last_delivered_at": _ms(fates.last_ms[n]), "acked_at": _ms(fates.acked_ms[n]),
-                        "status": status, "dead_lettered": status == t.DEAD_LETTERED,
-                        "dead_lettered_at": _ms(fates.dead_ms[n]), "attempts": fates.attempts[n],
+                        "message_id": subject.ids[n],
+                        "subject": subject.name,
+                        "group": group,
+                        "broadcast": broadcast,
+                        "times_delivered": fates.delivered[n],
+                        "first_delivered_at": _ms(fates.first_ms[n]),
+                        "last_delivered_at": _ms(fates.last_ms[n]),
+                        "acked_at": _ms(fates.acked_ms[n]),
+                        "status": status,
+                        "dead_lettered": status == t.DEAD_LETTERED,
+                        "dead_lettered_at": _ms(fates.dead_ms[n]),
+                        "attempts": fates.attempts[n],
                         "first_stored_at": subject.first_stored_ms[n],
                     }
 

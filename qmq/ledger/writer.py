@@ -39,8 +39,9 @@ class DayFiles:
     `keep_existing` that already have a file are left alone (the store no longer holds all of them).
     `add` rows, then `commit` (or `abort`)."""
 
-    def __init__(self, out: Path, table: str, source: str, date_column: str,
-                 keep_existing: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, out: Path, table: str, source: str, date_column: str, keep_existing: frozenset[str] = frozenset()
+    ) -> None:
         self.out, self.table, self.source, self.date_column = out, table, source, date_column
         self.keep_existing = keep_existing
         self.schema = t.SCHEMAS[table]

@@ -31,8 +31,16 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class Membership:
-    def __init__(self, meta: str, *, kind: str, group: str | None, address: str, token: str | None = None,
-                 on_read_only: Callable[[bool], None] | None = None) -> None:
+    def __init__(
+        self,
+        meta: str,
+        *,
+        kind: str,
+        group: str | None,
+        address: str,
+        token: str | None = None,
+        on_read_only: Callable[[bool], None] | None = None,
+    ) -> None:
         self.meta = meta
         self.kind = kind
         self.group = group
@@ -49,8 +57,9 @@ class Membership:
     async def _call(self, code: RequestCode, body: dict) -> dict:
         if self._conn is None or self._conn.closed:
             host, port = split_address(self.meta)
-            self._conn = await AsyncConnection.open(host, port, token=self.token,
-                                                    client_id=f"{self.kind}-{self.address}")
+            self._conn = await AsyncConnection.open(
+                host, port, token=self.token, client_id=f"{self.kind}-{self.address}"
+            )
         return await self._conn.request(code, body, timeout=REQUEST_TIMEOUT_S) or {}
 
     async def _run(self) -> None:
@@ -71,8 +80,13 @@ class Membership:
                 await asyncio.sleep(wait)
                 continue
             if failures or not self.registered.is_set():
-                log.info("registered with meta server %s as %s %s in group %s", self.meta, self.kind,
-                         self.address, self.group)
+                log.info(
+                    "registered with meta server %s as %s %s in group %s",
+                    self.meta,
+                    self.kind,
+                    self.address,
+                    self.group,
+                )
             failures = 0
             code = RequestCode.META_HEARTBEAT
             self.registered.set()

@@ -186,7 +186,10 @@ class Registry:
                 else:
                     event = None
                 values: dict[str, Any] = {
-                    "kind": kind, "group_name": group, "last_heartbeat_at": now, "unregistered_at": None
+                    "kind": kind,
+                    "group_name": group,
+                    "last_heartbeat_at": now,
+                    "unregistered_at": None,
                 }
                 if event is not None:
                     values["registered_at"] = now

@@ -46,14 +46,17 @@ T = TypeVar("T")
 REGISTRY = metrics.new_registry()
 REQUESTS = Counter("qmq_meta_requests_total", "Requests handled by the meta server", ["request"], registry=REGISTRY)
 ERRORS = Counter(
-    "qmq_meta_request_errors_total", "Requests answered with an error frame", ["request", "error"],
+    "qmq_meta_request_errors_total",
+    "Requests answered with an error frame",
+    ["request", "error"],
     registry=REGISTRY,
 )
 SERVERS = Gauge("qmq_meta_servers", "Registered servers", ["kind", "state"], registry=REGISTRY)
 GROUPS = Gauge("qmq_meta_groups", "Broker groups", ["state"], registry=REGISTRY)
 ROUTES = Gauge("qmq_meta_route_groups", "Subject-to-group route entries", registry=REGISTRY)
 DB_UP = Gauge(
-    "qmq_meta_database_up", "1 while the meta database answers, 0 after an error reaching it",
+    "qmq_meta_database_up",
+    "1 while the meta database answers, 0 after an error reaching it",
     registry=REGISTRY,
 )
 
@@ -297,7 +300,10 @@ async def serve_meta(
     await server.start()
     log.info(
         "meta server ready on %s:%d (heartbeat every %d s, unavailable after %g s)",
-        host, server.port, HEARTBEAT_INTERVAL_S, heartbeat_timeout_s,
+        host,
+        server.port,
+        HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout_s,
     )
     sweeper = asyncio.create_task(service.sweep_forever(min(MAX_SWEEP_INTERVAL_S, heartbeat_timeout_s / 4)))
     try:

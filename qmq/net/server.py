@@ -137,9 +137,7 @@ async def serve(
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
 ) -> Server:
     """Start a `Server` listening on host:port and return it; `await server.close()` to stop."""
-    server = Server(
-        handler, host=host, port=port, token=token, limits=limits, handshake_timeout_s=handshake_timeout_s
-    )
+    server = Server(handler, host=host, port=port, token=token, limits=limits, handshake_timeout_s=handshake_timeout_s)
     await server.start()
     return server
 
@@ -174,9 +172,7 @@ class _ServerConnection:
             reason = "server shutting down"
             for task in self.tasks:
                 task.cancel()
-            self._write(
-                self.conn.send_error(CONNECTION_REQUEST_ID, ErrorCode.UNAVAILABLE, "server is shutting down")
-            )
+            self._write(self.conn.send_error(CONNECTION_REQUEST_ID, ErrorCode.UNAVAILABLE, "server is shutting down"))
             raise
         finally:
             # Let the handlers still running finish: they may be half-way through work worth finishing;
@@ -199,9 +195,7 @@ class _ServerConnection:
                     async with asyncio.timeout_at(deadline):
                         data = await self.reader.read(READ_CHUNK_BYTES)
                 except TimeoutError:
-                    raise ProtocolError(
-                        ErrorCode.HANDSHAKE_REQUIRED, f"no handshake within {timeout_s:g} s"
-                    ) from None
+                    raise ProtocolError(ErrorCode.HANDSHAKE_REQUIRED, f"no handshake within {timeout_s:g} s") from None
             if not data:
                 return
             self.conn.receive_data(data)

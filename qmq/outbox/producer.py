@@ -49,10 +49,19 @@ class Producer:
     `using` (a Django database alias). `meta` (or `brokers` and `delay_servers`, lists of "host:port")
     says where to ship. `after_commit=False` leaves every message to the relay (woken by NOTIFY)."""
 
-    def __init__(self, meta: str | None = None, *, engine: sa.Engine | None = None,
-                 session: Any = None, using: str | None = None, brokers: Sequence[str] | None = None,
-                 delay_servers: Sequence[str] | None = None, token: str | None = None, after_commit: bool = True,
-                 insert_lease_s: float = INSERT_LEASE_S) -> None:
+    def __init__(
+        self,
+        meta: str | None = None,
+        *,
+        engine: sa.Engine | None = None,
+        session: Any = None,
+        using: str | None = None,
+        brokers: Sequence[str] | None = None,
+        delay_servers: Sequence[str] | None = None,
+        token: str | None = None,
+        after_commit: bool = True,
+        insert_lease_s: float = INSERT_LEASE_S,
+    ) -> None:
         if engine is None and session is None and using is None:
             raise ValueError("a Producer needs its database: engine=, session= or (Django) using=")
         self.meta = meta or os.environ.get("QMQ_META")
@@ -73,9 +82,17 @@ class Producer:
 
     # ---- sending -----------------------------------------------------------------------------------
 
-    def send(self, subject: str, body: Any, *, key: str | None = None, tags: Sequence[str] = (),
-             headers: Mapping[str, str] | None = None, delay: float | timedelta | None = None,
-             deliver_at: datetime | None = None) -> str:
+    def send(
+        self,
+        subject: str,
+        body: Any,
+        *,
+        key: str | None = None,
+        tags: Sequence[str] = (),
+        headers: Mapping[str, str] | None = None,
+        delay: float | timedelta | None = None,
+        deliver_at: datetime | None = None,
+    ) -> str:
         """Write `body` for `subject` into the current transaction's outbox; return the message id.
         Bodies: bytes, str, or anything JSON can encode (the content type is recorded). With `delay`
         (seconds or a timedelta) or `deliver_at` (an aware datetime), the message goes to the delay
@@ -84,14 +101,24 @@ class Producer:
         raw, content_type = envelope.encode_body(body)
         transaction = context.current(self) or self._joinable_transaction()
         headers = {**(headers or {}), envelope.PRODUCER_HEADER: f"outbox:{self.database_name()}"}
-        message = OutgoingMessage(subject, raw, key=key, tags=tuple(tags), headers=headers,
-                                  content_type=content_type, deliver_at=when)
+        message = OutgoingMessage(
+            subject, raw, key=key, tags=tuple(tags), headers=headers, content_type=content_type, deliver_at=when
+        )
         payload = message.to_wire()["payload"]  # raises InvalidMessage now, in the caller, for what a broker...
         if len(payload) > MAX_MESSAGE_BYTES:  # ...would refuse, rather than in the relay, forever
-            raise InvalidMessage(ErrorCode.MESSAGE_TOO_LARGE,
-                                 f"message is {len(payload)} bytes, the limit is {MAX_MESSAGE_BYTES}")
-        values = {"message_id": message.id, "subject": subject, "body": raw, "content_type": content_type,
-                  "headers": message.headers, "tags": list(message.tags) or None, "key": key, "deliver_at": when}
+            raise InvalidMessage(
+                ErrorCode.MESSAGE_TOO_LARGE, f"message is {len(payload)} bytes, the limit is {MAX_MESSAGE_BYTES}"
+            )
+        values = {
+            "message_id": message.id,
+            "subject": subject,
+            "body": raw,
+            "content_type": content_type,
+            "headers": message.headers,
+            "tags": list(message.tags) or None,
+            "key": key,
+            "deliver_at": when,
+        }
         if transaction is None:
             self._send_alone(values, Shipment(message))
         else:
@@ -137,8 +164,9 @@ class Producer:
     @property
     def sender(self) -> Sender:
         if self._sender is None:
-            self._sender = Sender(self.sender_engine, self._new_client, token=str(uuid.uuid4()),
-                                  lease_s=self.insert_lease_s)
+            self._sender = Sender(
+                self.sender_engine, self._new_client, token=str(uuid.uuid4()), lease_s=self.insert_lease_s
+            )
         return self._sender
 
     def handoff(self, shipments: list[Shipment]) -> None:
@@ -198,8 +226,13 @@ class Producer:
 
     def _new_client(self) -> Client:
         client_id = f"producer-{socket.gethostname()}-{os.getpid()}"
-        return Client(meta=self.meta, brokers=self.brokers, delay_servers=self.delay_servers, token=self.token,
-                      client_id=client_id)
+        return Client(
+            meta=self.meta,
+            brokers=self.brokers,
+            delay_servers=self.delay_servers,
+            token=self.token,
+            client_id=client_id,
+        )
 
     def _after_fork(self) -> None:
         self._sender = None  # the parent's sender thread did not come along

@@ -73,8 +73,9 @@ class SweepReport:
 class DatabaseRelay:
     """Relays one outbox database with a client of its own."""
 
-    def __init__(self, url: str, new_client: Callable[[], Client], settings: RelaySettings,
-                 stop: threading.Event) -> None:
+    def __init__(
+        self, url: str, new_client: Callable[[], Client], settings: RelaySettings, stop: threading.Event
+    ) -> None:
         self.engine = create_engine(url)
         self.name = safe_url(self.engine)
         self.new_client = new_client
@@ -96,8 +97,12 @@ class DatabaseRelay:
         for i in range(self.settings.shipping_threads):
             self._spawn(self._ship_loop, f"qmq-relay-ship-{i}")
         self._spawn(self._housekeeping_loop, "qmq-relay-housekeeping")
-        log.info("relaying %s: %d shipping threads, %s", self.name, self.settings.shipping_threads,
-                 "LISTEN/NOTIFY and polling" if self._listener else "polling")
+        log.info(
+            "relaying %s: %d shipping threads, %s",
+            self.name,
+            self.settings.shipping_threads,
+            "LISTEN/NOTIFY and polling" if self._listener else "polling",
+        )
 
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -181,8 +186,13 @@ class DatabaseRelay:
         metrics.LEASE_LOST.labels(self.name).inc(report.lease_lost)
         if report.failed:
             metrics.SEND_FAILED.labels(self.name).inc(len(report.failed))
-            log.warning("database %s: %d of %d rows not shipped, retrying after a backoff: %s", self.name,
-                        len(report.failed), len(claimed), report.failed[0].error)
+            log.warning(
+                "database %s: %d of %d rows not shipped, retrying after a backoff: %s",
+                self.name,
+                len(report.failed),
+                len(claimed),
+                report.failed[0].error,
+            )
         self._summarise(len(report.sent))
         return report
 
@@ -192,8 +202,14 @@ class DatabaseRelay:
             flagged = rows.flag_overdue(conn, self.settings.flag_after_s, self.settings.flag_after_attempts)
             backlog = rows.backlog(conn)
         for row in flagged[:FLAG_LOG_MAX]:
-            log.error("database %s: message %s (%s) is still not shipped after %d attempts: %s", self.name,
-                      row.message_id, row.subject, row.attempts, row.last_error or "not tried yet")
+            log.error(
+                "database %s: message %s (%s) is still not shipped after %d attempts: %s",
+                self.name,
+                row.message_id,
+                row.subject,
+                row.attempts,
+                row.last_error or "not tried yet",
+            )
         if len(flagged) > FLAG_LOG_MAX:
             log.error("database %s: %d more rows flagged as pending too long", self.name, len(flagged) - FLAG_LOG_MAX)
         metrics.FLAGGED.labels(self.name).inc(len(flagged))
@@ -213,8 +229,9 @@ class DatabaseRelay:
                 break
         if total:
             metrics.PURGED.labels(self.name).inc(total)
-            log.info("database %s: purged %d rows sent more than %.0f s ago", self.name, total,
-                     self.settings.keep_sent_s)
+            log.info(
+                "database %s: purged %d rows sent more than %.0f s ago", self.name, total, self.settings.keep_sent_s
+            )
         return total
 
     def sweep(self) -> SweepReport:
@@ -255,8 +272,9 @@ class DatabaseRelay:
 class Relay:
     """Relays every outbox database given, until `stop` is set."""
 
-    def __init__(self, urls: Sequence[str], new_client: Callable[[], Client],
-                 settings: RelaySettings | None = None) -> None:
+    def __init__(
+        self, urls: Sequence[str], new_client: Callable[[], Client], settings: RelaySettings | None = None
+    ) -> None:
         if not urls:
             raise ValueError("the relay needs at least one outbox database URL")
         self.stop = threading.Event()

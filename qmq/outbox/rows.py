@@ -95,8 +95,9 @@ def compiled_insert(dialect: str, leased: bool, paramstyle: str) -> CompiledInse
         columns = [*INSERT_COLUMNS, "lease_token"] if leased else list(INSERT_COLUMNS)
         compiled = insert(dialect, leased).compile(dialect=type(d)(paramstyle=paramstyle), column_keys=columns)
         processors = {c.name: p for c in outbox.columns if (p := c.type.bind_processor(d)) is not None}
-        _COMPILED[key] = CompiledInsert(str(compiled), tuple(compiled.positiontup or ()),
-                                        dict(compiled.params), processors)
+        _COMPILED[key] = CompiledInsert(
+            str(compiled), tuple(compiled.positiontup or ()), dict(compiled.params), processors
+        )
     return _COMPILED[key]
 
 
@@ -124,8 +125,18 @@ class ClaimedRow:
     created_at: object  # datetime
 
 
-_CLAIMED_COLUMNS = (outbox.c.message_id, outbox.c.subject, outbox.c.body, outbox.c.content_type, outbox.c.headers,
-                    outbox.c.tags, outbox.c.key, outbox.c.deliver_at, outbox.c.attempts, outbox.c.created_at)
+_CLAIMED_COLUMNS = (
+    outbox.c.message_id,
+    outbox.c.subject,
+    outbox.c.body,
+    outbox.c.content_type,
+    outbox.c.headers,
+    outbox.c.tags,
+    outbox.c.key,
+    outbox.c.deliver_at,
+    outbox.c.attempts,
+    outbox.c.created_at,
+)
 
 
 def _claimable(now: sa.ColumnElement) -> sa.ColumnElement:
@@ -141,11 +152,19 @@ def claim_due(conn: sa.Connection, token: str, limit: int, lease_s: float) -> li
     another transaction holds locked are skipped (PostgreSQL), not waited for."""
     dialect = conn.dialect.name
     now = db_now(dialect)
-    due = (sa.select(outbox.c.id).where(_claimable(now)).order_by(outbox.c.next_attempt_at).limit(limit)
-           .with_for_update(skip_locked=True))
-    stmt = (outbox.update().where(outbox.c.id.in_(due))
-            .values(lease_token=token, lease_expires_at=db_now_plus(dialect, lease_s))
-            .returning(*_CLAIMED_COLUMNS))
+    due = (
+        sa.select(outbox.c.id)
+        .where(_claimable(now))
+        .order_by(outbox.c.next_attempt_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    stmt = (
+        outbox.update()
+        .where(outbox.c.id.in_(due))
+        .values(lease_token=token, lease_expires_at=db_now_plus(dialect, lease_s))
+        .returning(*_CLAIMED_COLUMNS)
+    )
     return [ClaimedRow(*row) for row in conn.execute(stmt)]
 
 
@@ -154,8 +173,9 @@ def still_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) ->
     rolled back with its transaction (or savepoint) is not there. A read: no write, no fsync."""
     if not message_ids:
         return set()
-    stmt = sa.select(outbox.c.message_id).where(_one_of(conn, outbox.c.message_id, message_ids),
-                                                outbox.c.lease_token == token, outbox.c.state == PENDING)
+    stmt = sa.select(outbox.c.message_id).where(
+        _one_of(conn, outbox.c.message_id, message_ids), outbox.c.lease_token == token, outbox.c.state == PENDING
+    )
     return set(conn.execute(stmt).scalars())
 
 
@@ -164,10 +184,18 @@ def mark_sent(conn: sa.Connection, message_ids: Iterable[str], token: str) -> in
     ids = list(message_ids)
     if not ids:
         return 0
-    stmt = (outbox.update()
-            .where(_one_of(conn, outbox.c.message_id, ids), outbox.c.lease_token == token, outbox.c.state == PENDING)
-            .values(state=SENT, sent_at=db_now(conn.dialect.name), attempts=outbox.c.attempts + 1,
-                    lease_token=None, lease_expires_at=None, last_error=None))
+    stmt = (
+        outbox.update()
+        .where(_one_of(conn, outbox.c.message_id, ids), outbox.c.lease_token == token, outbox.c.state == PENDING)
+        .values(
+            state=SENT,
+            sent_at=db_now(conn.dialect.name),
+            attempts=outbox.c.attempts + 1,
+            lease_token=None,
+            lease_expires_at=None,
+            last_error=None,
+        )
+    )
     return conn.execute(stmt).rowcount
 
 
@@ -185,14 +213,21 @@ def mark_failed(conn: sa.Connection, failures: Sequence[Failure], token: str) ->
     attempt after the backoff; the number updated."""
     if not failures:
         return 0
-    stmt = (outbox.update()
-            .where(outbox.c.message_id == sa.bindparam("m_id"), outbox.c.lease_token == token,
-                   outbox.c.state == PENDING)
-            .values(attempts=outbox.c.attempts + 1, last_error=sa.bindparam("m_error"),
-                    next_attempt_at=db_now_plus(conn.dialect.name, sa.bindparam("m_delay", type_=sa.Float)),
-                    lease_token=None, lease_expires_at=None))
-    params = [{"m_id": f.message_id, "m_error": f.error[:LAST_ERROR_MAX_CHARS],
-               "m_delay": retry_delay_s(f.attempts + 1)} for f in failures]
+    stmt = (
+        outbox.update()
+        .where(outbox.c.message_id == sa.bindparam("m_id"), outbox.c.lease_token == token, outbox.c.state == PENDING)
+        .values(
+            attempts=outbox.c.attempts + 1,
+            last_error=sa.bindparam("m_error"),
+            next_attempt_at=db_now_plus(conn.dialect.name, sa.bindparam("m_delay", type_=sa.Float)),
+            lease_token=None,
+            lease_expires_at=None,
+        )
+    )
+    params = [
+        {"m_id": f.message_id, "m_error": f.error[:LAST_ERROR_MAX_CHARS], "m_delay": retry_delay_s(f.attempts + 1)}
+        for f in failures
+    ]
     return conn.execute(stmt, params).rowcount
 
 
@@ -200,20 +235,28 @@ def flag_overdue(conn: sa.Connection, pending_for_s: float, attempts: int) -> li
     """Flag (set `flagged_at` on) pending rows not yet flagged that are older than `pending_for_s` or
     have failed `attempts` times; the rows flagged now (message_id, subject, attempts, last_error)."""
     dialect = conn.dialect.name
-    stmt = (outbox.update()
-            .where(outbox.c.state == PENDING, outbox.c.flagged_at.is_(None),
-                   sa.or_(outbox.c.created_at <= db_now_plus(dialect, -pending_for_s), outbox.c.attempts >= attempts))
-            .values(flagged_at=db_now(dialect))
-            .returning(outbox.c.message_id, outbox.c.subject, outbox.c.attempts, outbox.c.last_error))
+    stmt = (
+        outbox.update()
+        .where(
+            outbox.c.state == PENDING,
+            outbox.c.flagged_at.is_(None),
+            sa.or_(outbox.c.created_at <= db_now_plus(dialect, -pending_for_s), outbox.c.attempts >= attempts),
+        )
+        .values(flagged_at=db_now(dialect))
+        .returning(outbox.c.message_id, outbox.c.subject, outbox.c.attempts, outbox.c.last_error)
+    )
     return list(conn.execute(stmt))
 
 
 def purge_sent(conn: sa.Connection, sent_before_s: float, limit: int) -> int:
     """Delete up to `limit` rows sent more than `sent_before_s` ago; the number deleted. Callers run it
     in short transactions, one batch each, so no lock is held for long."""
-    old = (sa.select(outbox.c.id)
-           .where(outbox.c.state == SENT, outbox.c.sent_at <= db_now_plus(conn.dialect.name, -sent_before_s))
-           .order_by(outbox.c.sent_at).limit(limit))
+    old = (
+        sa.select(outbox.c.id)
+        .where(outbox.c.state == SENT, outbox.c.sent_at <= db_now_plus(conn.dialect.name, -sent_before_s))
+        .order_by(outbox.c.sent_at)
+        .limit(limit)
+    )
     return conn.execute(outbox.delete().where(outbox.c.id.in_(old))).rowcount
 
 
@@ -245,8 +288,9 @@ def seconds_until_due(conn: sa.Connection) -> float | None:
         ready = sa.func.max(outbox.c.next_attempt_at, lease_or_due)
         wait = (sa.func.julianday(sa.func.min(ready)) - sa.func.julianday("now")) * 86400.0
     else:
-        ready = sa.func.greatest(outbox.c.next_attempt_at, sa.func.coalesce(outbox.c.lease_expires_at,
-                                                                           outbox.c.next_attempt_at))
+        ready = sa.func.greatest(
+            outbox.c.next_attempt_at, sa.func.coalesce(outbox.c.lease_expires_at, outbox.c.next_attempt_at)
+        )
         wait = sa.func.extract("epoch", sa.func.min(ready) - sa.func.now())
     value = conn.execute(sa.select(wait).where(outbox.c.state == PENDING)).scalar()
     return None if value is None else float(value)

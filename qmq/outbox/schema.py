@@ -48,8 +48,7 @@ PENDING_WHERE = sa.text(f"state = '{PENDING}'")
 SENT_WHERE = sa.text(f"state = '{SENT}'")
 # The relay's claim query: pending rows due now, oldest first. Partial: sent rows (the great majority
 # in a healthy system) are not in it, so it stays small and hot.
-sa.Index("ix_qmq_outbox_pending", outbox.c.next_attempt_at, postgresql_where=PENDING_WHERE,
-         sqlite_where=PENDING_WHERE)
+sa.Index("ix_qmq_outbox_pending", outbox.c.next_attempt_at, postgresql_where=PENDING_WHERE, sqlite_where=PENDING_WHERE)
 # The purge of sent rows past the audit window.
 sa.Index("ix_qmq_outbox_sent_at", outbox.c.sent_at, postgresql_where=SENT_WHERE, sqlite_where=SENT_WHERE)
 # No index on created_at: the nightly reconciliation reads a window by ranges of `id` (the primary

@@ -34,15 +34,22 @@ CLOSE_TIMEOUT_S = 5.0  # close() waits this long for the queue to drain
 ERROR_LOG_INTERVAL_S = 10.0  # repeated failures are logged at most this often
 
 SENT = Counter("qmq_producer_sent", "Messages shipped by the after-commit sender")
-LEFT_FOR_RELAY = Counter("qmq_producer_left_for_relay", "Committed messages the sender left to the relay",
-                         ["reason"])
+LEFT_FOR_RELAY = Counter("qmq_producer_left_for_relay", "Committed messages the sender left to the relay", ["reason"])
 
 
 class Sender:
     """Ships committed messages of one database from a background thread (started on first offer)."""
 
-    def __init__(self, engine: Callable[[], sa.Engine], client: Callable[[], Client], token: str, *,
-                 lease_s: float, queue_max: int = QUEUE_MAX_MESSAGES, batch_max: int = BATCH_MAX_MESSAGES) -> None:
+    def __init__(
+        self,
+        engine: Callable[[], sa.Engine],
+        client: Callable[[], Client],
+        token: str,
+        *,
+        lease_s: float,
+        queue_max: int = QUEUE_MAX_MESSAGES,
+        batch_max: int = BATCH_MAX_MESSAGES,
+    ) -> None:
         self._engine_factory = engine
         self._client_factory = client
         self.token = token
@@ -77,8 +84,9 @@ class Sender:
                 self._queue.put_nowait(item)
             except queue.Full:
                 LEFT_FOR_RELAY.labels("queue_full").inc(len(shipments) - taken)
-                self._log_error("the after-commit sender's queue is full; %d messages wait for the relay",
-                                len(shipments) - taken)
+                self._log_error(
+                    "the after-commit sender's queue is full; %d messages wait for the relay", len(shipments) - taken
+                )
                 break
             taken += 1
         return taken
@@ -182,8 +190,11 @@ class Sender:
         SENT.inc(len(report.sent))
         if report.failed:
             LEFT_FOR_RELAY.labels("send_failed").inc(len(report.failed))
-            self._log_error("%d messages could not be sent now and are left for the relay: %s",
-                            len(report.failed), report.failed[0].error)
+            self._log_error(
+                "%d messages could not be sent now and are left for the relay: %s",
+                len(report.failed),
+                report.failed[0].error,
+            )
 
     def _log_error(self, message: str, *args: object) -> None:
         now = time.monotonic()

@@ -49,10 +49,17 @@ def epoch_ms(value: datetime) -> int:
 
 def shipment(row: ClaimedRow) -> Shipment:
     """The message a claimed row stands for, with the id, body and creation time it was written with."""
-    message = OutgoingMessage(row.subject, row.body, key=row.key, tags=tuple(row.tags or ()),
-                              headers=row.headers or None, id=row.message_id, created_at=epoch_ms(row.created_at),
-                              content_type=row.content_type,
-                              deliver_at=None if row.deliver_at is None else epoch_ms(row.deliver_at))
+    message = OutgoingMessage(
+        row.subject,
+        row.body,
+        key=row.key,
+        tags=tuple(row.tags or ()),
+        headers=row.headers or None,
+        id=row.message_id,
+        created_at=epoch_ms(row.created_at),
+        content_type=row.content_type,
+        deliver_at=None if row.deliver_at is None else epoch_ms(row.deliver_at),
+    )
     return Shipment(message, row.attempts)
 
 
@@ -81,6 +88,9 @@ def ship(conn: sa.Connection, client: Client, shipments: Sequence[Shipment], tok
         marked = rows.mark_sent(conn, report.sent, token) + rows.mark_failed(conn, report.failed, token)
     report.lease_lost = len(shipments) - marked
     if report.lease_lost:
-        log.warning("%d outbox rows were shipped after their lease expired; another relay may ship them again "
-                    "(consumers drop the duplicate by message id)", report.lease_lost)
+        log.warning(
+            "%d outbox rows were shipped after their lease expired; another relay may ship them again "
+            "(consumers drop the duplicate by message id)",
+            report.lease_lost,
+        )
     return report

@@ -68,8 +68,9 @@ def _session(producer: Producer, default_session: Any) -> Session:
     return default_session if isinstance(default_session, Session) else default_session()
 
 
-def _run_in_transaction(producer: Producer, session: Session, fn: Callable[..., Any], args: tuple,
-                        kwargs: dict[str, Any]) -> Any:
+def _run_in_transaction(
+    producer: Producer, session: Session, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+) -> Any:
     enclosing = context.current(producer)
     joined = isinstance(enclosing, SessionTransaction) and enclosing.session is session
     transaction = SessionTransaction(producer, session)

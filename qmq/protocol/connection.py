@@ -220,9 +220,7 @@ class Connection:
         self._handshake_sent, self._handshake_id = True, request_id
         return request_id, data
 
-    def send_request(
-        self, code: int, body: dict[str, Any] | None = None, *, oneway: bool = False
-    ) -> tuple[int, bytes]:
+    def send_request(self, code: int, body: dict[str, Any] | None = None, *, oneway: bool = False) -> tuple[int, bytes]:
         """Client: a request; returns its request id and the bytes to write. A one-way request gets
         no reply. Raises a non-fatal `ProtocolError(FRAME_TOO_LARGE)` before allocating anything
         if the frame would exceed the limit."""

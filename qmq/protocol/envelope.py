@@ -50,8 +50,9 @@ def decode_body(raw: bytes, content_type: str) -> Any:
     return raw
 
 
-def encode(body: Any, *, headers: dict[str, str] | None = None, created_at: int | None = None,
-           content_type: str | None = None) -> bytes:
+def encode(
+    body: Any, *, headers: dict[str, str] | None = None, created_at: int | None = None, content_type: str | None = None
+) -> bytes:
     """The payload for a message. `content_type` given means `body` is already bytes of that type."""
     if content_type is None:
         raw, content_type = encode_body(body)

@@ -54,8 +54,7 @@ def validate_subject(subject: object, *, allow_system: bool = False, limits: Lim
         return subject
     raise ProtocolError(
         ErrorCode.BAD_SUBJECT,
-        f"subject {subject!r} may only contain letters, digits, '.', '_' and '-', "
-        "starting with a letter or digit",
+        f"subject {subject!r} may only contain letters, digits, '.', '_' and '-', starting with a letter or digit",
         fatal=False,
     )
 
@@ -106,19 +105,29 @@ def validate_sent_message(item: Any, limits: Limits, known_subjects: set[str]) -
         validate_subject(subject, limits=limits)
         known_subjects.add(subject)
     message_id = item.get("id")
-    if type(message_id) is not str or not 0 < len(message_id) <= MAX_MESSAGE_ID_LEN \
-            or (len(message_id) > MAX_MESSAGE_ID_LEN // 4 and len(message_id.encode()) > MAX_MESSAGE_ID_LEN):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"message id must be a string of 1-{MAX_MESSAGE_ID_LEN} bytes",
-                            fatal=False)
+    if (
+        type(message_id) is not str
+        or not 0 < len(message_id) <= MAX_MESSAGE_ID_LEN
+        or (len(message_id) > MAX_MESSAGE_ID_LEN // 4 and len(message_id.encode()) > MAX_MESSAGE_ID_LEN)
+    ):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"message id must be a string of 1-{MAX_MESSAGE_ID_LEN} bytes", fatal=False
+        )
     payload = item.get("payload")
     if type(payload) is not bytes:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"message {message_id}: payload must be bytes", fatal=False)
     if len(payload) > limits.max_message_bytes:
-        raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, f"message {message_id} is {len(payload)} bytes, "
-                            f"the limit is {limits.max_message_bytes}", fatal=False)
+        raise ProtocolError(
+            ErrorCode.MESSAGE_TOO_LARGE,
+            f"message {message_id} is {len(payload)} bytes, the limit is {limits.max_message_bytes}",
+            fatal=False,
+        )
     key = item.get("key")
     if key is not None and (type(key) is not str or len(key.encode()) > MAX_KEY_LEN):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"message {message_id}: key must be a string of at most "
-                            f"{MAX_KEY_LEN} bytes", fatal=False)
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"message {message_id}: key must be a string of at most {MAX_KEY_LEN} bytes",
+            fatal=False,
+        )
     tags = item.get("tags")
     return SentMessage(subject, message_id, payload, key or None, validate_tags(tags) if tags else ())

@@ -46,8 +46,10 @@ def save(directory: Path, checkpoint: Checkpoint) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / FILE_NAME
     tmp = directory / (FILE_NAME + ".tmp")
-    data = json.dumps({"version": VERSION, "offset": checkpoint.offset, "next_seq": checkpoint.next_seq,
-                       "index": checkpoint.index}, separators=(",", ":"))
+    data = json.dumps(
+        {"version": VERSION, "offset": checkpoint.offset, "next_seq": checkpoint.next_seq, "index": checkpoint.index},
+        separators=(",", ":"),
+    )
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, data.encode())

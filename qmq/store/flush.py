@@ -44,9 +44,13 @@ class Flusher:
     Blocking callers use `wait_durable`; asyncio callers `await durable(offset)`, which costs one
     cross-thread wake-up per flush round and loop, not one per waiter."""
 
-    def __init__(self, message_log: MessageLog, mode: FlushMode = FlushMode.SYNC,
-                 interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS,
-                 commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS) -> None:
+    def __init__(
+        self,
+        message_log: MessageLog,
+        mode: FlushMode = FlushMode.SYNC,
+        interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS,
+        commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS,
+    ) -> None:
         self.message_log = message_log
         self.mode = FlushMode(mode)
         self.interval_s = interval_ms / 1000

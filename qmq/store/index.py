@@ -37,8 +37,10 @@ class IndexFile:
         self.mm = mmap.mmap(self.fd, 0) if os.fstat(self.fd).st_size >= HEADER_SIZE else None
         if self.mm is None or HEADER.unpack_from(self.mm, 0)[0] != FILE_MAGIC:
             self.close()
-            raise ValueError(f"{path}: not a key-index file; open the store with repair to rebuild the "
-                             f"derived logs from the message log")
+            raise ValueError(
+                f"{path}: not a key-index file; open the store with repair to rebuild the "
+                f"derived logs from the message log"
+            )
         _magic, self.slots, self.capacity, self.count, self.last_offset = HEADER.unpack_from(self.mm, 0)
         self.entries_at = HEADER_SIZE + self.slots * SLOT.size
 
@@ -51,7 +53,7 @@ class IndexFile:
         mm, slots, entries_at = self.mm, self.slots, self.entries_at
         n = self.count
         room = self.capacity - n
-        taken = pairs[start:start + room]
+        taken = pairs[start : start + room]
         for h, offset in taken:
             slot_at = HEADER_SIZE + ((h >> 32) % slots) * SLOT.size
             prev = SLOT.unpack_from(mm, slot_at)[0]
@@ -95,7 +97,7 @@ class IndexFile:
             slot_at = HEADER_SIZE + ((h >> 32) % self.slots) * SLOT.size
             if SLOT.unpack_from(mm, slot_at)[0] == number:
                 SLOT.pack_into(mm, slot_at, prev)
-            mm[at:at + ENTRY.size] = blank
+            mm[at : at + ENTRY.size] = blank
         self.count = min(written, count)
         HEADER.pack_into(mm, 0, FILE_MAGIC, self.slots, self.capacity, self.count, self.last_offset)
 
@@ -137,8 +139,9 @@ class KeyIndex:
         while done < len(pairs):
             if not self.files or self.files[-1].full:
                 base = pairs[done][1]
-                self.files.append(IndexFile(self.directory / segment_name(base), base, self.slots,
-                                            self.capacity, create=True))
+                self.files.append(
+                    IndexFile(self.directory / segment_name(base), base, self.slots, self.capacity, create=True)
+                )
             done += self.files[-1].add(pairs, done)
             self._dirty.add(self.files[-1])
 

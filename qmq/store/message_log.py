@@ -99,8 +99,9 @@ class MessageLog:
         """The record at `offset`, checked against its CRC. Raises `RecordError` naming the offset."""
         segment = self.segment_for(offset)
         if segment is None:
-            raise rec.RecordError(offset, f"no segment holds offset {offset} (log is "
-                                          f"{self.start_offset}..{self.end_offset})")
+            raise rec.RecordError(
+                offset, f"no segment holds offset {offset} (log is {self.start_offset}..{self.end_offset})"
+            )
         position = offset - segment.base
         buf = segment.read(position, size_hint)
         try:
@@ -122,8 +123,9 @@ class MessageLog:
             start, size = spans[i]
             segment = self.segment_for(start)
             if segment is None:
-                raise rec.RecordError(start, f"no segment holds offset {start} (log is "
-                                             f"{self.start_offset}..{self.end_offset})")
+                raise rec.RecordError(
+                    start, f"no segment holds offset {start} (log is {self.start_offset}..{self.end_offset})"
+                )
             j, end = i + 1, start + size
             while j < len(spans) and spans[j][0] == end and end + spans[j][1] <= segment.end:
                 end += spans[j][1]

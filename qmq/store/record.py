@@ -83,11 +83,25 @@ def key_hash(data: bytes, prefix: bytes = b"") -> int:
     return (zlib.crc32(data) << 32) | zlib.adler32(data)
 
 
-def encode(attr: int, flags: int, store_ts: int, seq: int, subject: bytes, message_id: bytes,
-           key: bytes, tags: bytes, payload: bytes) -> bytes:
+def encode(
+    attr: int,
+    flags: int,
+    store_ts: int,
+    seq: int,
+    subject: bytes,
+    message_id: bytes,
+    key: bytes,
+    tags: bytes,
+    payload: bytes,
+) -> bytes:
     """One record as bytes. Text arguments come already encoded so a batch can reuse them."""
-    meta = META.pack(attr, flags, store_ts, seq, len(subject), len(message_id), len(key), len(tags),
-                     len(payload)) + subject + message_id + key + tags
+    meta = (
+        META.pack(attr, flags, store_ts, seq, len(subject), len(message_id), len(key), len(tags), len(payload))
+        + subject
+        + message_id
+        + key
+        + tags
+    )
     crc = zlib.crc32(payload, zlib.crc32(meta))
     return b"".join((PREFIX_CRC.pack(CRC_START + len(meta) + len(payload), MAGIC, crc), meta, payload))
 
@@ -110,8 +124,9 @@ def decode(buf, pos: int, base_offset: int) -> Record:
         if avail >= 8:
             _check_prefix(buf, pos, offset)
         raise TruncatedRecord(offset, f"{avail} bytes left, a record header needs {HEADER_SIZE}")
-    (size, magic, crc, attr, flags, ts, seq, subject_len, id_len, key_len, tags_len,
-     payload_len) = HEADER.unpack_from(buf, pos)
+    (size, magic, crc, attr, flags, ts, seq, subject_len, id_len, key_len, tags_len, payload_len) = HEADER.unpack_from(
+        buf, pos
+    )
     if magic != MAGIC or size < HEADER_SIZE or size > MAX_RECORD_SIZE:
         _check_prefix(buf, pos, offset)
     if HEADER_SIZE + subject_len + id_len + key_len + tags_len + payload_len != size:
@@ -119,26 +134,37 @@ def decode(buf, pos: int, base_offset: int) -> Record:
     if size > avail:
         raise TruncatedRecord(offset, f"record of {size} bytes, only {avail} present")
     end = pos + size
-    actual = zlib.crc32(memoryview(buf)[pos + CRC_START:end])
+    actual = zlib.crc32(memoryview(buf)[pos + CRC_START : end])
     if actual != crc:
         raise RecordError(offset, f"CRC mismatch (stored {crc:#010x}, computed {actual:#010x})")
     if attr != _MESSAGE and attr != _BLANK:
         raise RecordError(offset, f"unknown record attribute {attr}")
     p = pos + HEADER_SIZE
     try:  # str(slice, "utf-8") decodes bytes, bytearray and memoryview slices alike, without a copy
-        subject = str(buf[p:p + subject_len], "utf-8")
+        subject = str(buf[p : p + subject_len], "utf-8")
         p += subject_len
-        message_id = str(buf[p:p + id_len], "utf-8")
+        message_id = str(buf[p : p + id_len], "utf-8")
         p += id_len
-        key = str(buf[p:p + key_len], "utf-8") if key_len else None
+        key = str(buf[p : p + key_len], "utf-8") if key_len else None
         p += key_len
-        tags = tuple(str(buf[p:p + tags_len], "utf-8").split(TAG_SEPARATOR)) if tags_len else ()
+        tags = tuple(str(buf[p : p + tags_len], "utf-8").split(TAG_SEPARATOR)) if tags_len else ()
         p += tags_len
     except UnicodeDecodeError as exc:
         raise RecordError(offset, f"text field is not UTF-8 ({exc.reason})") from None
     payload = buf[p:end]
-    return Record(offset, size, attr, flags, ts, seq, subject, message_id, key, tags,
-                  payload if type(payload) is bytes else bytes(payload))
+    return Record(
+        offset,
+        size,
+        attr,
+        flags,
+        ts,
+        seq,
+        subject,
+        message_id,
+        key,
+        tags,
+        payload if type(payload) is bytes else bytes(payload),
+    )
 
 
 def _check_prefix(buf, pos: int, offset: int) -> None:

@@ -30,9 +30,11 @@ class CorruptStoreError(Exception):
 
     def __init__(self, problems: list[str]) -> None:
         super().__init__(
-            "the message log is corrupt:\n  " + "\n  ".join(problems)
+            "the message log is corrupt:\n  "
+            + "\n  ".join(problems)
             + "\nno record was changed; run with repair to quarantine the damaged regions "
-              "(`qmq broker --repair` / LogStore(..., repair=True)), keeping every valid record")
+            "(`qmq broker --repair` / LogStore(..., repair=True)), keeping every valid record"
+        )
         self.problems = problems
 
 
@@ -44,8 +46,9 @@ class RecoveryReport:
     scanned_from: int = 0
 
 
-def scan_for_recovery(message_log: MessageLog, start: int, durable_floor: int, *, repair: bool,
-                      quarantine: Path, report: RecoveryReport) -> Iterator[rec.Record]:
+def scan_for_recovery(
+    message_log: MessageLog, start: int, durable_floor: int, *, repair: bool, quarantine: Path, report: RecoveryReport
+) -> Iterator[rec.Record]:
     """Valid records from `start` to the end, after fixing what can be fixed (see module docstring).
     Records before `durable_floor` (the checkpoint) were durable and valid once, so damage there is
     never taken for a torn tail. Raises `CorruptStoreError` on corruption when not repairing."""
@@ -69,8 +72,13 @@ def scan_for_recovery(message_log: MessageLog, start: int, durable_floor: int, *
             if is_active and resume is None and bad_at >= durable_floor:
                 cut = segment.end - bad_at
                 saved = _save_region(segment, bad_at, segment.end, quarantine, "torn")
-                log.warning("cutting a torn tail of %d bytes from %s at offset %d (kept in %s)", cut,
-                            segment.path, bad_at, saved)
+                log.warning(
+                    "cutting a torn tail of %d bytes from %s at offset %d (kept in %s)",
+                    cut,
+                    segment.path,
+                    bad_at,
+                    saved,
+                )
                 segment.truncate(bad_at - segment.base)
                 report.truncated_bytes += cut
                 break
@@ -87,8 +95,9 @@ def scan_for_recovery(message_log: MessageLog, start: int, durable_floor: int, *
         raise CorruptStoreError(problems)
 
 
-def _check_chain(segment: Segment, following: Segment, problems: list[str], repair: bool, quarantine: Path,
-                 report: RecoveryReport) -> None:
+def _check_chain(
+    segment: Segment, following: Segment, problems: list[str], repair: bool, quarantine: Path, report: RecoveryReport
+) -> None:
     """A sealed segment must end exactly where the next one begins."""
     if segment.end == following.base:
         return
@@ -99,12 +108,15 @@ def _check_chain(segment: Segment, following: Segment, problems: list[str], repa
     _quarantine(segment, segment.end, following.base, quarantine, report, where)
 
 
-def _quarantine(segment: Segment, start: int, end: int, quarantine: Path, report: RecoveryReport,
-                where: str) -> None:
+def _quarantine(segment: Segment, start: int, end: int, quarantine: Path, report: RecoveryReport, where: str) -> None:
     size = end - start
     if size < rec.HEADER_SIZE:
-        raise CorruptStoreError([f"{where}: the damaged region is {size} bytes, too small to cover with a "
-                                 f"blank record; restore this segment from a replica or backup"])
+        raise CorruptStoreError(
+            [
+                f"{where}: the damaged region is {size} bytes, too small to cover with a "
+                f"blank record; restore this segment from a replica or backup"
+            ]
+        )
     saved = _save_region(segment, start, end, quarantine, "bad")
     blank = rec.encode_blank(size)
     os.pwrite(segment.fd, blank, start - segment.base)
@@ -133,8 +145,13 @@ def _next_valid(segment: Segment, bad_at: int) -> int | None:
     return None if found is None else segment.base + found
 
 
-def replay(records: Iterator[rec.Record], from_offset: int, derive: Callable[[list[rec.Record]], None],
-           report: RecoveryReport, batch: int = 4096) -> None:
+def replay(
+    records: Iterator[rec.Record],
+    from_offset: int,
+    derive: Callable[[list[rec.Record]], None],
+    report: RecoveryReport,
+    batch: int = 4096,
+) -> None:
     """Feed every record at or after `from_offset` to `derive`, in batches."""
     pending: list[rec.Record] = []
     for record in records:

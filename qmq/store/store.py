@@ -122,8 +122,9 @@ class LogStore:
         except BaseException:
             self._close_files()
             raise
-        self.flusher = Flusher(self.message_log, self.config.flush, self.config.flush_interval_ms,
-                               self.config.commit_window_ms)
+        self.flusher = Flusher(
+            self.message_log, self.config.flush, self.config.flush_interval_ms, self.config.commit_window_ms
+        )
         self._stop = threading.Event()
         self._background: threading.Thread | None = None
         if self.config.background:
@@ -141,8 +142,12 @@ class LogStore:
             log.warning("%s: rebuilding the derived logs from the message log", exc)
             checkpoint = None
         if checkpoint is not None and not start <= checkpoint.offset <= self.message_log.end_offset:
-            log.warning("checkpoint offset %d is outside the message log %d..%d: rebuilding derived logs",
-                        checkpoint.offset, start, self.message_log.end_offset)
+            log.warning(
+                "checkpoint offset %d is outside the message log %d..%d: rebuilding derived logs",
+                checkpoint.offset,
+                start,
+                self.message_log.end_offset,
+            )
             checkpoint = None
         rebuild = self.config.repair or (checkpoint is None and self.message_log.end_offset > start)
         if rebuild:
@@ -165,9 +170,15 @@ class LogStore:
             consume_log.truncate(self._next_seq.get(subject, 0))
         self.message_log.sync()
         self._save_checkpoint(self._snapshot())
-        log.info("store %s open: log %d..%d, %d records replayed, %d torn bytes cut, %d regions repaired",
-                 self.data_dir, start, self.message_log.end_offset, report.replayed,
-                 report.truncated_bytes, len(report.repaired))
+        log.info(
+            "store %s open: log %d..%d, %d records replayed, %d torn bytes cut, %d regions repaired",
+            self.data_dir,
+            start,
+            self.message_log.end_offset,
+            report.replayed,
+            report.truncated_bytes,
+            len(report.repaired),
+        )
         return report
 
     def _sequences_on_disk(self, checkpoint: ckpt.Checkpoint | None) -> dict[str, int]:
@@ -190,8 +201,14 @@ class LogStore:
                 self._consume_log(subject_dir.name)
 
     def _validated(self, start: int, durable_floor: int, report: RecoveryReport):
-        return scan_for_recovery(self.message_log, start, durable_floor, repair=self.config.repair,
-                                 quarantine=self.data_dir / "quarantine", report=report)
+        return scan_for_recovery(
+            self.message_log,
+            start,
+            durable_floor,
+            repair=self.config.repair,
+            quarantine=self.data_dir / "quarantine",
+            report=report,
+        )
 
     def _reset_derived(self) -> None:
         """Delete the derived logs to rebuild them. The checkpoint goes first, so a crash half-way
@@ -234,16 +251,27 @@ class LogStore:
                     message_id = m.message_id.encode()
                     key = m.key.encode() if m.key else b""
                     if not 0 < len(message_id) <= MAX_MESSAGE_ID_LEN or len(key) > MAX_KEY_LEN:
-                        raise StoreError(f"message id must be 1-{MAX_MESSAGE_ID_LEN} bytes and key at most "
-                                         f"{MAX_KEY_LEN} bytes (message id {m.message_id!r})")
+                        raise StoreError(
+                            f"message id must be 1-{MAX_MESSAGE_ID_LEN} bytes and key at most "
+                            f"{MAX_KEY_LEN} bytes (message id {m.message_id!r})"
+                        )
                     seq = next_seq.get(subject, 0)
                     next_seq[subject] = seq + 1
                     run = runs.get(subject)
                     if run is None:
                         runs[subject] = run = (seq, [])
                     tags = m.tags
-                    data = encode(message, m.flags, now, seq, subject_b, message_id, key,
-                                  _encode_tags(tags) if tags else b"", m.payload)
+                    data = encode(
+                        message,
+                        m.flags,
+                        now,
+                        seq,
+                        subject_b,
+                        message_id,
+                        key,
+                        _encode_tags(tags) if tags else b"",
+                        m.payload,
+                    )
                     size = len(data)
                     encoded.append(data)
                     results.append(Appended(position, seq, position + size))
@@ -288,7 +316,8 @@ class LogStore:
             if r.is_blank:
                 continue
             self._consume_log(r.subject).write(
-                r.seq, pack_entry(r.offset, r.size, rec.tag_mask(r.tags) if r.tags else 0, r.store_ts))
+                r.seq, pack_entry(r.offset, r.size, rec.tag_mask(r.tags) if r.tags else 0, r.store_ts)
+            )
             if r.seq + 1 > self._next_seq.get(r.subject, 0):
                 self._next_seq[r.subject] = r.seq + 1
             index_pairs.append((rec.key_hash(r.message_id.encode()), r.offset))
@@ -341,8 +370,16 @@ class LogStore:
                 return []
             return consume_log.read(seq, min(count, end - seq))
 
-    def read(self, subject: str, seq: int, max_count: int = 32, *, tags: Sequence[str] = (),
-             match_all: bool = False, max_scan: int = 4096) -> ReadResult:
+    def read(
+        self,
+        subject: str,
+        seq: int,
+        max_count: int = 32,
+        *,
+        tags: Sequence[str] = (),
+        match_all: bool = False,
+        max_scan: int = 4096,
+    ) -> ReadResult:
         """Up to `max_count` messages of `subject` from sequence `seq`, skipping those whose tags do not
         match (any of `tags`, or all of them with `match_all`), holes, and messages already removed by
         retention. Examines at most `max_scan` entries, so a selective filter cannot stall a caller."""
@@ -370,8 +407,10 @@ class LogStore:
                 if record.is_blank:
                     continue
                 if record.subject != subject or record.seq != entry.seq:
-                    raise rec.RecordError(entry.offset, f"consume log of {subject!r} seq {entry.seq} points at "
-                                                        f"{record.subject!r} seq {record.seq}")
+                    raise rec.RecordError(
+                        entry.offset,
+                        f"consume log of {subject!r} seq {entry.seq} points at {record.subject!r} seq {record.seq}",
+                    )
                 if tags and not _tags_match(record.tags, tags, match_all):
                     continue
                 records.append(record)

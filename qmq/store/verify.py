@@ -70,12 +70,15 @@ def iter_records(data_dir: Path, report: VerifyReport | None = None) -> Iterator
                 except rec.RecordError as exc:
                     resume = rec.find_next_valid(buf, pos, segment.base)
                     if isinstance(exc, rec.TruncatedRecord) and last and resume is None:
-                        report.notes.append(f"{segment.path}: {len(buf) - pos} bytes at offset {exc.offset} "
-                                            f"are an incomplete record (being written, or a torn tail that "
-                                            f"opening the store will cut)")
+                        report.notes.append(
+                            f"{segment.path}: {len(buf) - pos} bytes at offset {exc.offset} "
+                            f"are an incomplete record (being written, or a torn tail that "
+                            f"opening the store will cut)"
+                        )
                         break
-                    report.problems.append(f"{segment.path}: bad record at offset {exc.offset} (byte {pos} of "
-                                           f"the file): {exc.reason}")
+                    report.problems.append(
+                        f"{segment.path}: bad record at offset {exc.offset} (byte {pos} of the file): {exc.reason}"
+                    )
                     if len(report.problems) >= MAX_PROBLEMS or resume is None:
                         break
                     pos = resume
@@ -90,8 +93,10 @@ def iter_records(data_dir: Path, report: VerifyReport | None = None) -> Iterator
             if isinstance(buf, mmap.mmap):
                 buf.close()
         if not last and segment.base + segment.size != segments[i + 1].base:
-            report.problems.append(f"{segment.path}: ends at offset {segment.base + segment.size} but the next "
-                                   f"segment starts at {segments[i + 1].base}")
+            report.problems.append(
+                f"{segment.path}: ends at offset {segment.base + segment.size} but the next "
+                f"segment starts at {segments[i + 1].base}"
+            )
 
 
 def verify(data_dir: Path) -> VerifyReport:
@@ -115,8 +120,14 @@ def verify(data_dir: Path) -> VerifyReport:
     return report
 
 
-def _verify_consume_log(subject_dir: Path, by_offset: dict, log_start: int, log_end: int,
-                        report: VerifyReport, beyond: list[tuple[str, int]]) -> None:
+def _verify_consume_log(
+    subject_dir: Path,
+    by_offset: dict,
+    log_start: int,
+    log_end: int,
+    report: VerifyReport,
+    beyond: list[tuple[str, int]],
+) -> None:
     subject = subject_dir.name
     for base, path in list_segments(subject_dir):
         data = path.read_bytes()
@@ -139,16 +150,23 @@ def _verify_consume_log(subject_dir: Path, by_offset: dict, log_start: int, log_
             if found is None:
                 report.problems.append(f"{where}: points at offset {offset}, where no record starts")
             elif found != (subject, seq, size):
-                report.problems.append(f"{where}: points at offset {offset}, which holds {found[0]!r} seq "
-                                       f"{found[1]} ({found[2]} bytes)")
+                report.problems.append(
+                    f"{where}: points at offset {offset}, which holds {found[0]!r} seq {found[1]} ({found[2]} bytes)"
+                )
             if len(report.problems) >= MAX_PROBLEMS:
                 return
 
 
 def record_to_json(record: rec.Record) -> dict:
     out = {
-        "offset": record.offset, "size": record.size, "subject": record.subject, "seq": record.seq,
-        "message_id": record.message_id, "key": record.key, "tags": list(record.tags), "flags": record.flags,
+        "offset": record.offset,
+        "size": record.size,
+        "subject": record.subject,
+        "seq": record.seq,
+        "message_id": record.message_id,
+        "key": record.key,
+        "tags": list(record.tags),
+        "flags": record.flags,
         "store_ts": record.store_ts,
     }
     try:
@@ -156,4 +174,3 @@ def record_to_json(record: rec.Record) -> dict:
     except UnicodeDecodeError:
         out["payload_base64"] = base64.b64encode(record.payload).decode()
     return out
-

@@ -31,19 +31,34 @@ env = os.environ.get
 WORKER = env("QMQ_TEST_WORKER", f"pid-{os.getpid()}")
 IDEMPOTENT = {"": False, "sql": True, "redis": "redis"}[env("QMQ_TEST_IDEMPOTENT", "")]
 
-app = qmq.App("recorder", brokers=env("QMQ_TEST_BROKERS", "127.0.0.1:20881").split(","), db=env("QMQ_TEST_DB"),
-              redis=env("QMQ_TEST_REDIS"), redis_prefix=env("QMQ_TEST_REDIS_PREFIX", "qmq:"))
+app = qmq.App(
+    "recorder",
+    brokers=env("QMQ_TEST_BROKERS", "127.0.0.1:20881").split(","),
+    db=env("QMQ_TEST_DB"),
+    redis=env("QMQ_TEST_REDIS"),
+    redis_prefix=env("QMQ_TEST_REDIS_PREFIX", "qmq:"),
+)
 
-INSERT_ATTEMPT = sa.text("INSERT INTO worker_attempts (message_id, attempts, worker, at) "
-                         "VALUES (:id, :attempts, :worker, clock_timestamp())")
-INSERT_HANDLED = sa.text("INSERT INTO worker_handled (message_id, attempts, worker, handled_at) "
-                         "VALUES (:id, :attempts, :worker, clock_timestamp())")
+INSERT_ATTEMPT = sa.text(
+    "INSERT INTO worker_attempts (message_id, attempts, worker, at) VALUES (:id, :attempts, :worker, clock_timestamp())"
+)
+INSERT_HANDLED = sa.text(
+    "INSERT INTO worker_handled (message_id, attempts, worker, handled_at) "
+    "VALUES (:id, :attempts, :worker, clock_timestamp())"
+)
 
 
-@app.consumer(env("QMQ_TEST_SUBJECT", "work"), group=env("QMQ_TEST_GROUP", "recorder"), start="earliest",
-              broadcast=env("QMQ_TEST_BROADCAST") == "1", idempotent=IDEMPOTENT,
-              max_retries=int(env("QMQ_TEST_MAX_RETRIES", "5")), retry_backoff=0.2, retry_jitter=False,
-              time_limit=float(env("QMQ_TEST_TIME_LIMIT")) if env("QMQ_TEST_TIME_LIMIT") else None)
+@app.consumer(
+    env("QMQ_TEST_SUBJECT", "work"),
+    group=env("QMQ_TEST_GROUP", "recorder"),
+    start="earliest",
+    broadcast=env("QMQ_TEST_BROADCAST") == "1",
+    idempotent=IDEMPOTENT,
+    max_retries=int(env("QMQ_TEST_MAX_RETRIES", "5")),
+    retry_backoff=0.2,
+    retry_jitter=False,
+    time_limit=float(env("QMQ_TEST_TIME_LIMIT")) if env("QMQ_TEST_TIME_LIMIT") else None,
+)
 def handle(message: qmq.Message, session) -> None:
     row = {"id": message.id, "attempts": message.attempts, "worker": WORKER}
     with app.engine.begin() as conn:
@@ -70,7 +85,13 @@ def handle(message: qmq.Message, session) -> None:
     session.execute(INSERT_HANDLED, row)
 
 
-
 for also in filter(None, env("QMQ_TEST_ALSO", "").split(",")):
-    app.consumer(also, group=env("QMQ_TEST_GROUP", "recorder"), start="earliest", idempotent=IDEMPOTENT,
-                 max_retries=int(env("QMQ_TEST_MAX_RETRIES", "5")), retry_backoff=0.2, retry_jitter=False)(handle)
+    app.consumer(
+        also,
+        group=env("QMQ_TEST_GROUP", "recorder"),
+        start="earliest",
+        idempotent=IDEMPOTENT,
+        max_retries=int(env("QMQ_TEST_MAX_RETRIES", "5")),
+        retry_backoff=0.2,
+        retry_jitter=False,
+    )(handle)

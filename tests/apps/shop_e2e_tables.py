@@ -7,7 +7,15 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 metadata = sa.MetaData()
-invoices = sa.Table("e2e_invoices", metadata, sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-                    sa.Column("order_id", sa.Integer, nullable=False))
-reminders = sa.Table("e2e_reminders", metadata, sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-                     sa.Column("order_id", sa.Integer, nullable=False))
+invoices = sa.Table(
+    "e2e_invoices",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("order_id", sa.Integer, nullable=False),
+)
+reminders = sa.Table(
+    "e2e_reminders",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("order_id", sa.Integer, nullable=False),
+)

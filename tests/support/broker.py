@@ -38,7 +38,8 @@ def start_broker(processes, data_dir: Path, *args: str, port: int | None = None,
     port = port or free_port()
     proc = processes.start(
         ["-m", "qmq", "broker", "--data-dir", str(data_dir), "--port", str(port), *args],
-        name=name, env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": ""},
+        name=name,
+        env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": ""},
     )
     wait_for_port(port, proc)
     return Broker(proc, port, data_dir, tuple(args))
@@ -48,8 +49,9 @@ def restart_broker(processes, broker: Broker, name: str = "broker-restarted") ->
     return start_broker(processes, broker.data_dir, *broker.args, port=broker.port, name=name)
 
 
-def send(conn: BlockingConnection, subject: str, ids: list[str], *, payload: bytes = b"x", tags=(),
-         key: str | None = None) -> dict[str, Any]:
+def send(
+    conn: BlockingConnection, subject: str, ids: list[str], *, payload: bytes = b"x", tags=(), key: str | None = None
+) -> dict[str, Any]:
     messages = [{"id": i, "subject": subject, "payload": payload, "tags": list(tags), "key": key} for i in ids]
     return conn.request(RequestCode.BROKER_SEND, {"messages": messages})
 
@@ -75,14 +77,30 @@ class RawConsumer:
     pulled: dict[str, int] = field(default_factory=dict)  # stored subject -> last pull seq seen
 
     def pull(self, max_count: int = 64, wait_ms: int = 2500) -> list[Delivered]:
-        body = {"subject": self.subject, "group": self.group, "consumer": self.consumer, "max": max_count,
-                "wait_ms": wait_ms, "pulled": self.pulled, **self.options}
+        body = {
+            "subject": self.subject,
+            "group": self.group,
+            "consumer": self.consumer,
+            "max": max_count,
+            "wait_ms": wait_ms,
+            "pulled": self.pulled,
+            **self.options,
+        }
         reply = self.conn.request(RequestCode.BROKER_PULL, body, timeout=wait_ms / 1000 + 30)
         out = []
         for batch in reply["batches"]:
             for i, m in enumerate(batch["messages"]):
-                out.append(Delivered(m["id"], batch["subject"], batch["group"], batch["first_pull"] + i,
-                                     m["attempt"], m["tags"], m["payload"]))
+                out.append(
+                    Delivered(
+                        m["id"],
+                        batch["subject"],
+                        batch["group"],
+                        batch["first_pull"] + i,
+                        m["attempt"],
+                        m["tags"],
+                        m["payload"],
+                    )
+                )
             last = batch["first_pull"] + len(batch["messages"]) - 1
             self.pulled[batch["subject"]] = max(self.pulled.get(batch["subject"], -1), last)
         return out
@@ -97,16 +115,32 @@ class RawConsumer:
         if acks:
             self.conn.request(RequestCode.BROKER_ACK, {"acks": acks})
 
-    def nack(self, d: Delivered, delay_ms: int, *, dead: bool = False, max_attempts: int | None = None,
-             reason: str = "test failure") -> list:
-        nack = {"subject": d.stored_subject, "group": d.group, "consumer": self.consumer, "pull_seq": d.pull_seq,
-                "attempt": d.attempt, "delay_ms": delay_ms, "dead": dead, "reason": reason}
+    def nack(
+        self,
+        d: Delivered,
+        delay_ms: int,
+        *,
+        dead: bool = False,
+        max_attempts: int | None = None,
+        reason: str = "test failure",
+    ) -> list:
+        nack = {
+            "subject": d.stored_subject,
+            "group": d.group,
+            "consumer": self.consumer,
+            "pull_seq": d.pull_seq,
+            "attempt": d.attempt,
+            "delay_ms": delay_ms,
+            "dead": dead,
+            "reason": reason,
+        }
         if max_attempts is not None:
             nack["max_attempts"] = max_attempts
         return self.conn.request(RequestCode.BROKER_NACK, {"nacks": [nack]})["outcomes"][0]
 
-    def drain(self, expected: int, *, ack: bool = True, max_count: int = 256, empty_pulls: int = 3,
-              wait_ms: int = 1000) -> list[Delivered]:
+    def drain(
+        self, expected: int, *, ack: bool = True, max_count: int = 256, empty_pulls: int = 3, wait_ms: int = 1000
+    ) -> list[Delivered]:
         """Pull (and ack) until `expected` messages came or `empty_pulls` pulls in a row came back empty."""
         got: list[Delivered] = []
         empty = 0

@@ -27,13 +27,15 @@ class DelayServer(Broker):
             return conn.request(RequestCode.DELAY_STATS, {})
 
 
-def start_delay_server(processes, data_dir: Path, *args: str, port: int | None = None,
-                       name: str = "delay") -> DelayServer:
+def start_delay_server(
+    processes, data_dir: Path, *args: str, port: int | None = None, name: str = "delay"
+) -> DelayServer:
     """`qmq delay-server` on `data_dir` with `args` (--broker or --meta, ...); returns once it listens."""
     port = port or free_port()
     proc = processes.start(
         ["-m", "qmq", "delay-server", "--data-dir", str(data_dir), "--port", str(port), *args],
-        name=name, env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": ""},
+        name=name,
+        env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": ""},
     )
     wait_for_port(port, proc)
     return DelayServer(proc, port, data_dir, tuple(args))
@@ -47,7 +49,7 @@ def dispatched_ids(data_dir: Path) -> set[str]:
     """Ids of the messages the dispatch logs record as delivered (read from the files)."""
     positions: dict[str, set[int]] = defaultdict(set)
     for path in (data_dir / "dispatch").glob("*" + DISPATCH_SUFFIX):
-        positions[path.name[:-len(DISPATCH_SUFFIX)]].update(read_entries(path)[0])
+        positions[path.name[: -len(DISPATCH_SUFFIX)]].update(read_entries(path)[0])
     return {r.message_id for bucket, r in iter_scheduled(data_dir) if r.offset in positions[bucket]}
 
 

@@ -48,8 +48,15 @@ def wait_for(condition: Callable[[], Any], what: str, deadline_s: float = DELIVE
     raise AssertionError(f"not within {deadline_s} s: {what}")
 
 
-def consume(broker: str, subject: str, expected: int, *, group: str = "tests",
-            quiet_s: float = 1.0, deadline_s: float = DELIVERY_DEADLINE_S) -> list[Delivery]:
+def consume(
+    broker: str,
+    subject: str,
+    expected: int,
+    *,
+    group: str = "tests",
+    quiet_s: float = 1.0,
+    deadline_s: float = DELIVERY_DEADLINE_S,
+) -> list[Delivery]:
     """Every message of `subject` from the beginning (acked), until `expected` came and then nothing
     more for `quiet_s` (so that extra copies would be seen), or the deadline."""
     got: list[Delivery] = []
@@ -84,5 +91,8 @@ def relay_args(*dbs: str, broker: str | None = None, meta: str | None = None, **
 
 
 def start_relay(processes, *dbs: str, broker: str, name: str = "relay", **flags: Any):
-    return processes.start(relay_args(*dbs, broker=broker, **flags), name=name,
-                           env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": "", "QMQ_DB_URL": ""})
+    return processes.start(
+        relay_args(*dbs, broker=broker, **flags),
+        name=name,
+        env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": "", "QMQ_DB_URL": ""},
+    )

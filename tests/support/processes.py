@@ -53,8 +53,9 @@ class ProcessManager:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args: Sequence[str], *, name: str, env: dict | None = None, python: bool = True,
-              stdout=None) -> subprocess.Popen:
+    def start(
+        self, args: Sequence[str], *, name: str, env: dict | None = None, python: bool = True, stdout=None
+    ) -> subprocess.Popen:
         cmd = [sys.executable, *args] if python else list(args)
         log = open(self.log_dir / f"{name}-{len(self.procs)}.log", "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(

@@ -25,8 +25,9 @@ def read_ledger(out: Path) -> dict[str, list[dict[str, Any]]]:
         if not path.is_dir() or not any(path.rglob("*.parquet")):
             tables[table] = []
             continue
-        data = ds.dataset(path, format="parquet", partitioning=ds.partitioning(flavor="hive"),
-                          ignore_prefixes=[".", "_"]).to_table()
+        data = ds.dataset(
+            path, format="parquet", partitioning=ds.partitioning(flavor="hive"), ignore_prefixes=[".", "_"]
+        ).to_table()
         rows = data.to_pylist()
         for row in rows:
             for column in (t.DATE, t.BROKER, t.SERVER):
@@ -51,8 +52,13 @@ def classes_of(out: Path) -> dict[str, str]:
 
 # ---- the one SparkSession of the test run ------------------------------------------------------------
 
-SPARK_CONF = {"spark.sql.shuffle.partitions": "2", "spark.default.parallelism": "2", "spark.ui.enabled": "false",
-              "spark.driver.memory": "1g", "spark.sql.adaptive.coalescePartitions.initialPartitionNum": "2"}
+SPARK_CONF = {
+    "spark.sql.shuffle.partitions": "2",
+    "spark.default.parallelism": "2",
+    "spark.ui.enabled": "false",
+    "spark.driver.memory": "1g",
+    "spark.sql.adaptive.coalescePartitions.initialPartitionNum": "2",
+}
 _session = None
 
 
@@ -69,8 +75,7 @@ def spark():
     return _session
 
 
-def reconcile(spark, out: Path, outbox_dbs: list[str], ledger: Path, since: datetime, until: datetime,
-              **settings: Any):
+def reconcile(spark, out: Path, outbox_dbs: list[str], ledger: Path, since: datetime, until: datetime, **settings: Any):
     """Run a reconciliation in this process's SparkSession; its findings."""
     from spark_etl.job import run
     from spark_etl.settings import Settings

@@ -29,11 +29,15 @@ def main() -> None:
             for _ in range(rng.randint(1, 64)):
                 mid = f"r{round_no}-t{t}-{n}"
                 n += 1
-                batch.append(Message(rng.choice(SUBJECTS), mid, payload_for(mid), key=f"key-{n % 5}",
-                                     tags=(rng.choice(("a", "b")),)))
+                batch.append(
+                    Message(
+                        rng.choice(SUBJECTS), mid, payload_for(mid), key=f"key-{n % 5}", tags=(rng.choice(("a", "b")),)
+                    )
+                )
             results = store.append_durable(batch)
-            lines = "".join(f"DURABLE {r.offset} {m.subject} {r.seq} {m.message_id}\n"
-                            for m, r in zip(batch, results, strict=True))
+            lines = "".join(
+                f"DURABLE {r.offset} {m.subject} {r.seq} {m.message_id}\n" for m, r in zip(batch, results, strict=True)
+            )
             with out_lock:
                 sys.stdout.write(lines)
                 sys.stdout.flush()

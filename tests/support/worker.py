@@ -48,13 +48,29 @@ def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = WAIT_TI
     return wait_until(condition, what, timeout_s)
 
 
-def start_worker(processes, brokers: Sequence[Broker], db_url: str, *flags: str, name: str = "worker",
-                 env: dict[str, str] | None = None, app: str = RECORDER, ready: bool = True):
+def start_worker(
+    processes,
+    brokers: Sequence[Broker],
+    db_url: str,
+    *flags: str,
+    name: str = "worker",
+    env: dict[str, str] | None = None,
+    app: str = RECORDER,
+    ready: bool = True,
+):
     """`qmq worker -A app -l INFO *flags` for the test app; returns once it says it is ready."""
-    settings = {"PYTHONPATH": str(ROOT), "QMQ_META": "", "QMQ_TOKEN": "", "QMQ_TEST_DB": db_url,
-                "QMQ_TEST_BROKERS": ",".join(b.address for b in brokers), "QMQ_TEST_WORKER": name, **(env or {})}
-    proc = processes.start(["-m", "qmq", "worker", "-A", app, "-l", "INFO", "-n", name, *flags], name=name,
-                           env=settings)
+    settings = {
+        "PYTHONPATH": str(ROOT),
+        "QMQ_META": "",
+        "QMQ_TOKEN": "",
+        "QMQ_TEST_DB": db_url,
+        "QMQ_TEST_BROKERS": ",".join(b.address for b in brokers),
+        "QMQ_TEST_WORKER": name,
+        **(env or {}),
+    }
+    proc = processes.start(
+        ["-m", "qmq", "worker", "-A", app, "-l", "INFO", "-n", name, *flags], name=name, env=settings
+    )
     if ready:
         wait_ready(proc)
     return proc
@@ -69,8 +85,9 @@ def wait_ready(proc) -> None:
     wait_for(ready, "the worker is ready", READY_TIMEOUT_S)
 
 
-def send_bodies(brokers: Sequence[Broker], bodies: Sequence[Any], subject: str = SUBJECT,
-                ids: Sequence[str] | None = None) -> list[str]:
+def send_bodies(
+    brokers: Sequence[Broker], bodies: Sequence[Any], subject: str = SUBJECT, ids: Sequence[str] | None = None
+) -> list[str]:
     """Send one message per body (with the given ids, when given); returns their ids."""
     messages = [OutgoingMessage(subject, body, **({"id": ids[i]} if ids else {})) for i, body in enumerate(bodies)]
     with Client(brokers=[b.address for b in brokers], client_id="worker-test") as client:
@@ -122,5 +139,8 @@ def http_get(port: int, path: str) -> tuple[int, str]:
 def metric(port: int, name: str) -> float:
     """The value of one sample (summed over its labels) on the worker's /metrics."""
     _, text = http_get(port, "/metrics")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )

@@ -15,9 +15,14 @@ def url_for_alias(alias: str) -> sa.URL:
     conf = settings.DATABASES[alias]
     backend = conf["ENGINE"]
     if backend.endswith("postgresql"):
-        return sa.URL.create("postgresql+psycopg", username=conf.get("USER") or None,
-                             password=conf.get("PASSWORD") or None, host=conf.get("HOST") or None,
-                             port=int(conf["PORT"]) if conf.get("PORT") else None, database=conf["NAME"])
+        return sa.URL.create(
+            "postgresql+psycopg",
+            username=conf.get("USER") or None,
+            password=conf.get("PASSWORD") or None,
+            host=conf.get("HOST") or None,
+            port=int(conf["PORT"]) if conf.get("PORT") else None,
+            database=conf["NAME"],
+        )
     if backend.endswith("sqlite3"):
         return sa.URL.create("sqlite", database=str(conf["NAME"]))
     raise ImproperlyConfigured(f"qmq's outbox supports PostgreSQL and SQLite; database {alias!r} uses {backend}")
