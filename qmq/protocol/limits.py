@@ -20,12 +20,18 @@ MAX_TAG_LEN = 64
 MAX_TAGS = 16
 MAX_KEY_LEN = 256
 MAX_MESSAGE_ID_LEN = 64
+MAX_GROUP_LEN = 64  # consumer groups and broker groups (a retry subject holds subject and group)
+MAX_CONSUMER_LEN = 200  # a consumer id
+MAX_PULL_MESSAGES = 4096  # messages in one pull reply
+MAX_PULL_WAIT_MS = 30_000  # how long one long-polling pull may wait
 
 SUBJECT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
 SYSTEM_SUBJECT_RE = re.compile(r"%(RETRY|DEAD)%[A-Za-z0-9._\-]+%[A-Za-z0-9._\-]+|%ACTION%")
 ACTION_SUBJECT = "%ACTION%"  # the broker's action journal (qmq/broker/journal.py)
 GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")  # broker groups and consumer groups
 TAG_RE = re.compile(r"[A-Za-z0-9._\-:]+")
+CONSUMER_RE = re.compile(r"[A-Za-z0-9._\-:@]+")
+CONSUMER_BAD_CHAR_RE = re.compile(r"[^A-Za-z0-9._\-:@]")  # to make a valid consumer id from a host name
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,35 @@ def validate_subject(subject: object, *, allow_system: bool = False, limits: Lim
         f"subject {subject!r} may only contain letters, digits, '.', '_' and '-', starting with a letter or digit",
         fatal=False,
     )
+
+
+def validate_group(group: object, what: str = "group") -> str:
+    """Return `group` if it is a valid consumer-group or broker-group name, else raise a non-fatal
+    BAD_REQUEST `ProtocolError`."""
+    if not isinstance(group, str) or len(group) > MAX_GROUP_LEN or not GROUP_RE.fullmatch(group):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"{what} {group!r} must be 1-{MAX_GROUP_LEN} letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+            fatal=False,
+        )
+    return group
+
+
+def validate_consumer(consumer: object) -> str:
+    """Return `consumer` if it is a valid consumer id, else raise a non-fatal BAD_REQUEST `ProtocolError`."""
+    if not isinstance(consumer, str) or len(consumer) > MAX_CONSUMER_LEN or not CONSUMER_RE.fullmatch(consumer):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"consumer {consumer!r} must be 1-{MAX_CONSUMER_LEN} letters, digits, '.', '_', '-', ':' or '@'",
+            fatal=False,
+        )
+    return consumer
+
+
+def consumer_id_from(text: str) -> str:
+    """A valid consumer id made from any text (a host name, a template), keeping its end."""
+    return CONSUMER_BAD_CHAR_RE.sub("-", text)[-MAX_CONSUMER_LEN:] or "qmq"
 
 
 def validate_tags(tags: object) -> tuple[str, ...]:
