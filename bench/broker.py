@@ -6,7 +6,7 @@ in this process, both on this machine (so they share its cores).
     .venv/bin/python bench/broker.py produce-single  # one message per request, pipelined, 4 connections
     .venv/bin/python bench/broker.py consume         # one group, batched pulls and prefix acks
     .venv/bin/python bench/broker.py latency         # send to receipt at 1,000 msg/s: p50/p99
-    .venv/bin/python bench/broker.py client          # produce and consume through qmq.client
+    .venv/bin/python bench/broker.py client          # produce and consume through qmq.client (async, blocking)
 
 Targets (issue 3): produce >= 100,000 msg/s; single-message pipelined >= 30,000 msg/s; consume >=
 100,000 msg/s; end-to-end p99 < 5 ms at 1,000 msg/s. A message counts as produced once the broker
@@ -259,6 +259,55 @@ async def client_consume(port: int, total: int, max_pull: int) -> dict:
     return {"messages": got, "seconds": elapsed, "rate": got / elapsed}
 
 
+def blocking_produce(port: int, total: int, batch: int, size: int, threads: int) -> dict:
+    """The same workload through the blocking client (`Client.send`), `threads` threads each sending
+    batches of `batch` messages."""
+    import threading
+
+    from qmq.client import Client, OutgoingMessage
+
+    body = os.urandom(size)
+    sent = 0
+    lock = threading.Lock()
+    with Client(brokers=[f"{HOST}:{port}"]) as client:
+
+        def worker() -> None:
+            nonlocal sent
+            while True:
+                with lock:
+                    if sent >= total:
+                        return
+                    sent += batch
+                results = client.send([OutgoingMessage("bench", body) for _ in range(batch)])
+                assert all(r.ok for r in results), results[0]
+
+        t0 = time.perf_counter()
+        workers = [threading.Thread(target=worker) for _ in range(threads)]
+        for thread in workers:
+            thread.start()
+        for thread in workers:
+            thread.join()
+        elapsed = time.perf_counter() - t0
+    return {"messages": sent, "seconds": elapsed, "rate": sent / elapsed}
+
+
+def blocking_consume(port: int, total: int, max_pull: int) -> dict:
+    """Consume through the blocking client: one `Subscription`, pull, ack each delivery."""
+    from qmq.client import Client
+
+    got = 0
+    with Client(brokers=[f"{HOST}:{port}"]) as client:
+        subscription = client.subscribe("bench", "bench-blocking", start="earliest")
+        t0 = time.perf_counter()
+        while got < total:
+            for delivery in subscription.pull(max_pull, 1.0):
+                subscription.ack(delivery)
+                got += 1
+        subscription.close()
+        elapsed = time.perf_counter() - t0
+    return {"messages": got, "seconds": elapsed, "rate": got / elapsed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -313,6 +362,13 @@ def main() -> None:
                     )
                 r = asyncio.run(client_consume(broker.port, args.messages, 1024))
                 print(f"client consume AsyncSubscription pull + ack each:      {r['rate']:>9,.0f} msg/s")
+                for threads in (8, 32):
+                    r = blocking_produce(broker.port, args.messages, 64, args.size, threads=threads)
+                    print(
+                        f"client send    Client.send, batch 64, {threads:>2} threads:        {r['rate']:>9,.0f} msg/s"
+                    )
+                r = blocking_consume(broker.port, args.messages, 1024)
+                print(f"client consume Subscription pull + ack each:           {r['rate']:>9,.0f} msg/s")
         finally:
             broker.stop()
 
