@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from qmq.client import AsyncClient, Client, Delivery, MetaUnreachable, NoRoute, OutgoingMessage, SendError
-from qmq.client.core import MAX_PULL_WAIT_S
+from qmq.client.deliveries import MAX_PULL_WAIT_S
 from qmq.net.client import BlockingConnection
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode

@@ -11,20 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qmq.client.core import (
-    RETRY_DELAY_S,
-    AckTracker,
-    GroupHealth,
-    InvalidMessage,
-    OutgoingMessage,
-    SendJob,
-    SubscribeOptions,
-    SubscriptionState,
-    choose_group,
-    pull_retry_delay_s,
-    wire_message,
-)
+from qmq.client.consuming import pull_retry_delay_s
+from qmq.client.deliveries import AckTracker, SubscribeOptions, SubscriptionState
+from qmq.client.errors import InvalidMessage
+from qmq.client.messages import OutgoingMessage, wire_message
 from qmq.client.routes import RouteCache, parse_address, parse_route, static_route
+from qmq.client.sending import RETRY_DELAY_S, GroupHealth, SendJob, choose_group
 from qmq.protocol import envelope
 from qmq.protocol.errors import ErrorCode, RemoteError
 

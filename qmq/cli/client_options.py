@@ -10,8 +10,7 @@ from typing import Any, TypeVar
 import click
 
 from qmq.client import Client
-from qmq.client.blocking import META_ENV
-from qmq.client.routes import DEFAULT_META_ADDRESS
+from qmq.client.routes import DEFAULT_META_ADDRESS, META_ENV
 from qmq.net.common import TOKEN_ENV
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -15,8 +15,8 @@ import click
 
 from qmq.cli.client_options import client_options, make_client
 from qmq.client import ClientError, OutgoingMessage, SendResult
-from qmq.client.blocking import no_route_error
-from qmq.client.core import DEFAULT_BATCH_SIZE
+from qmq.client.routes import no_route_error
+from qmq.client.sending import DEFAULT_BATCH_SIZE
 from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import validate_subject
 

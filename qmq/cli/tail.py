@@ -19,7 +19,7 @@ import click
 
 from qmq.cli.client_options import client_options, make_client
 from qmq.client import ClientError, Delivery
-from qmq.client.core import DEFAULT_PULL_MAX, DEFAULT_PULL_WAIT_S
+from qmq.client.deliveries import DEFAULT_PULL_MAX, DEFAULT_PULL_WAIT_S
 
 
 @click.command("tail")

@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from qmq.client.blocking import META_ENV
+from qmq.client.routes import META_ENV
 from qmq.net.common import TOKEN_ENV
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"

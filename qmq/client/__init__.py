@@ -4,22 +4,26 @@
     client = Client(meta="127.0.0.1:20880")
     client.send_one("order.created", {"id": 7}, key="7", tags=["new"])
 
-Modules: `core` (the decisions, no I/O), `routes` (routes and their cache), `pool` (connections by
-address), `blocking` (`Client`), `aio` (`AsyncClient`).
+The decisions live once, without I/O (h11 style), one concern a module: `core` (the client's
+settings and operations, each a loop of `steps`), `routes` (which groups carry a subject),
+`sending` (the send loop: group choice, batches, retries), `messages` (what is sent, checked as a
+broker checks it), `deliveries` (what a subscription asks for and must acknowledge), `consuming`
+(a subscription's loops), `errors`. Two drivers do the steps: `blocking` (`Client`, threads) and
+`aio` (`AsyncClient`, asyncio), over `pool` (connections by address).
 """
 
 from qmq.client.aio import AsyncClient, AsyncSubscription
 from qmq.client.blocking import Client, Subscription
-from qmq.client.core import (
+from qmq.client.deliveries import Delivery
+from qmq.client.errors import (
     ClientError,
-    Delivery,
     InvalidMessage,
+    InvalidSubscription,
     MetaUnreachable,
     NoRoute,
-    OutgoingMessage,
     SendError,
-    SendResult,
 )
+from qmq.client.messages import OutgoingMessage, SendResult, check_message
 
 __all__ = [
     "AsyncClient",
@@ -28,10 +32,12 @@ __all__ = [
     "ClientError",
     "Delivery",
     "InvalidMessage",
+    "InvalidSubscription",
     "MetaUnreachable",
     "NoRoute",
     "OutgoingMessage",
     "SendError",
     "SendResult",
     "Subscription",
+    "check_message",
 ]

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from qmq.client.errors import ConnectFailed
 from qmq.client.routes import parse_address
 from qmq.net.aio_client import AsyncConnection
 from qmq.net.client import BlockingConnection
 from qmq.net.common import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S
 
+__all__ = ["AsyncConnectionPool", "ConnectFailed", "ConnectionPool"]
 
-class ConnectFailed(ConnectionError):
-    """No connection could be opened to `address` (nothing listens, unreachable, timed out)."""
-
-    def __init__(self, address: str, reason: str) -> None:
-        super().__init__(f"cannot connect to {address}: {reason}")
-        self.address = address
-        self.reason = reason
+C = TypeVar("C", BlockingConnection, AsyncConnection)
 
 
 def _connect_failed(address: str, exc: OSError) -> ConnectFailed:
@@ -33,8 +29,8 @@ def _connect_failed(address: str, exc: OSError) -> ConnectFailed:
     return ConnectFailed(address, exc.strerror or str(exc) or type(exc).__name__)
 
 
-class ConnectionPool:
-    """Thread-safe. Opening a connection to one address never waits for another address."""
+class _Pool(Generic[C]):
+    """What both pools share: who the client says it is, how long to try to connect, and the tables."""
 
     def __init__(
         self, *, client_id: str | None = None, token: str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S
@@ -42,10 +38,14 @@ class ConnectionPool:
         self.client_id = client_id
         self.token = token
         self.connect_timeout_s = connect_timeout_s
-        self._lock = threading.Lock()
-        self._address_locks: dict[str, threading.Lock] = {}
-        self._connections: dict[str, BlockingConnection] = {}
+        self._lock = threading.Lock()  # the blocking pool's guard of the tables (one thread uses an asyncio pool)
+        self._address_locks: dict[str, Any] = {}  # one per address: opening one never waits for another
+        self._connections: dict[str, C] = {}
         self._closed = False
+
+
+class ConnectionPool(_Pool[BlockingConnection]):
+    """Thread-safe. Opening a connection to one address never waits for another address."""
 
     def get(self, address: str) -> BlockingConnection:
         """The open connection to `address`, opened now if there is none. Raises `ConnectFailed`, or
@@ -92,18 +92,8 @@ class ConnectionPool:
             conn.close()
 
 
-class AsyncConnectionPool:
+class AsyncConnectionPool(_Pool[AsyncConnection]):
     """The same for asyncio; used from one event loop."""
-
-    def __init__(
-        self, *, client_id: str | None = None, token: str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S
-    ) -> None:
-        self.client_id = client_id
-        self.token = token
-        self.connect_timeout_s = connect_timeout_s
-        self._address_locks: dict[str, asyncio.Lock] = {}
-        self._connections: dict[str, AsyncConnection] = {}
-        self._closed = False
 
     async def get(self, address: str) -> AsyncConnection:
         if self._closed:

@@ -5,23 +5,35 @@ static list of broker addresses where each address is a group of its own (the em
 tests). Producers send only to groups that are available and not read-only; consumers pull from
 every group of the route, so that they drain groups that stopped taking new messages.
 
-Nothing here does I/O: the blocking and the asyncio client fetch routes over their own connections
-and keep them in a `RouteCache`, which says when a route is too old to use without asking again.
+Nothing here does I/O. A `RouteBook` is where a client gets its routes: its look-up is a loop of
+steps (`qmq.client.steps`) that asks the meta server only when the `RouteCache` says a route is too
+old, and falls back on the route fetched before while the meta server cannot answer.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qmq.client.errors import ClientError, ConnectFailed, MetaUnreachable, NoRoute
+from qmq.client.steps import Call, Steps
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import RemoteError
+
+log = logging.getLogger("qmq.client")
+
 ROUTE_TTL_S = 30.0  # a route is asked for again after this long
 EMPTY_ROUTE_TTL_S = 1.0  # a route with no writable group is asked for again sooner: a broker may join
 META_RETRY_S = 5.0  # while the meta server is unreachable, a stale route is used this long before asking again
-META_TIMEOUT_S = 10.0  # wait for a META_ROUTE reply
+META_TIMEOUT_S = 10.0  # wait for a META_ROUTE or META_LIST reply
 DEFAULT_META_ADDRESS = "127.0.0.1:20880"
+META_ENV = "QMQ_META"
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -154,3 +166,96 @@ class RouteCache:
                 entry = self._routes.get(subject)
                 if entry is not None:
                     self._routes[subject] = (entry[0], float("-inf"))
+
+
+# ---- where a client finds its servers ---------------------------------------------------------------
+
+
+def resolve_servers(meta: str | None, brokers: Sequence[str] | None) -> tuple[str | None, tuple[str, ...]]:
+    """Either a meta server or broker addresses; neither means `$QMQ_META`, else the default meta
+    address. Addresses are checked here, so a typo is named before anything is sent."""
+    if meta and brokers:
+        raise ValueError("give a meta server or broker addresses, not both")
+    if brokers:
+        for address in brokers:
+            parse_address(address)
+        return None, tuple(brokers)
+    meta = meta or os.environ.get(META_ENV) or DEFAULT_META_ADDRESS
+    parse_address(meta)
+    return meta, ()
+
+
+def resolve_delay_servers(delay_servers: Sequence[str] | None) -> tuple[str, ...]:
+    """Delay server addresses given directly (they take precedence over the meta server's)."""
+    for address in delay_servers or ():
+        parse_address(address)
+    return tuple(delay_servers or ())
+
+
+def meta_error(meta: str, subject: str, exc: BaseException) -> MetaUnreachable:
+    if isinstance(exc, RemoteError):
+        return MetaUnreachable(f"the meta server at {meta} could not give a route for {subject!r}: {exc}")
+    reason = exc.reason if isinstance(exc, ConnectFailed) else str(exc)
+    return MetaUnreachable(f"cannot reach the meta server at {meta}: {reason}")
+
+
+def no_route_error(client_meta: str | None, subject: str) -> NoRoute:
+    where = f"the meta server at {client_meta}" if client_meta else "the broker list"
+    return NoRoute(f"no broker group carries subject {subject!r} ({where} knows none: are brokers running?)")
+
+
+class RouteBook:
+    """A client's routes: from the meta server, through a `RouteCache`, or from the addresses given
+    directly (`meta` None). Thread-safe."""
+
+    def __init__(self, meta: str | None, brokers: Sequence[str] = (), delay_servers: Sequence[str] = ()) -> None:
+        self.meta = meta
+        self.brokers = tuple(brokers)
+        self.delay_servers = tuple(delay_servers)
+        self.cache = RouteCache()
+
+    def lookup(self, subject: str, *, refresh: bool = False) -> Steps[Route]:
+        """The broker groups of `subject`, from the cache while it is fresh (`refresh` asks anyway).
+        While the meta server cannot answer, the route fetched before is used for META_RETRY_S before
+        asking again; raises `MetaUnreachable` when there is none."""
+        if self.meta is None:
+            return static_route(subject, self.brokers, self.delay_servers)
+        now = time.monotonic()
+        if not refresh and (route := self.cache.fresh(subject, now)) is not None:
+            return route
+        reply = yield Call(self.meta, RequestCode.META_ROUTE, route_request(subject), META_TIMEOUT_S)
+        if isinstance(reply, RemoteError | OSError):
+            error = meta_error(self.meta, subject, reply)
+            stale = self.cache.stale(subject)
+            if stale is None:
+                raise error from None
+            log.warning("%s; using the route fetched before", error)
+            self.cache.put(stale, now, META_RETRY_S)
+            return stale
+        if isinstance(reply, BaseException):
+            raise reply
+        route = with_delay_servers(parse_route(subject, reply), self.delay_servers)
+        self.cache.put(route, now)
+        return route
+
+    def invalidate(self, subjects: Iterable[str]) -> None:
+        """Ask the meta server again next time (a send to one of their groups failed)."""
+        if self.meta is not None:
+            self.cache.invalidate(subjects)
+
+    def delay_server_addresses(self) -> Steps[list[str]]:
+        """Every delay server to ask (to cancel a delayed message): those given directly, else the
+        meta server's available ones. Raises `ClientError` (`MetaUnreachable`) when none is known."""
+        if self.delay_servers:
+            return list(self.delay_servers)
+        if self.meta is None:
+            raise ClientError("no delay server is known: give delay_servers=[...] or a meta server")
+        reply = yield Call(self.meta, RequestCode.META_LIST, {}, META_TIMEOUT_S)
+        if isinstance(reply, RemoteError | OSError):
+            raise MetaUnreachable(f"cannot ask the meta server at {self.meta} for delay servers: {reply}")
+        if isinstance(reply, BaseException):
+            raise reply
+        addresses = listed_delay_servers(reply)
+        if not addresses:
+            raise ClientError(f"the meta server at {self.meta} knows no available delay server")
+        return addresses

@@ -1,0 +1,353 @@
+"""Consuming: a subscription's loops, without I/O, shared by `Subscription` and `AsyncSubscription`.
+
+`SubscriptionCore` holds everything a subscription knows between requests: its `SubscriptionState`
+(what it was handed and must acknowledge), a `PullSlot` per broker group of its route (the pull in
+flight there, and its failures), and the deliveries received and not yet returned. Its operations
+are loops of steps (`qmq.client.steps`): a pull round long-polls every group at once and returns as
+soon as one has messages, leaving the others in flight for the next call; acknowledgements wait and
+go out in batches (at the latest every ACK_FLUSH_INTERVAL_S, and before a pull waits); a broker that
+cannot take them is forgotten, and delivers those messages again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from qmq.client.deliveries import (
+    DEFAULT_PULL_MAX,
+    DEFAULT_PULL_WAIT_S,
+    PULL_REPLY_GRACE_S,
+    Delivery,
+    SubscribeOptions,
+    SubscriptionState,
+)
+from qmq.client.errors import ClientError
+from qmq.client.routes import Route, RouteGroup, no_route_error
+from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Steps, WaitAll, WaitAny, outcome
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import ErrorCode, RemoteError
+
+if TYPE_CHECKING:
+    from qmq.client.core import ClientCore
+
+log = logging.getLogger("qmq.client")
+
+PULL_RETRY_DELAY_S = 0.5  # after a broker failed a pull twice in a row, then doubling...
+PULL_RETRY_MAX_DELAY_S = 5.0  # ...up to this
+ACK_FLUSH_INTERVAL_S = 1.0  # acknowledgements wait at most this long (while pull or ack is called)
+ACK_TIMEOUT_S = 10.0  # wait for a BROKER_ACK, BROKER_NACK or BROKER_HEARTBEAT reply
+# A pull refused with one of these will be refused again: the subscription itself is wrong.
+FATAL_PULL_CODES = frozenset(
+    {
+        ErrorCode.BAD_REQUEST,
+        ErrorCode.BAD_SUBJECT,
+        ErrorCode.BAD_BODY,
+        ErrorCode.UNAUTHORIZED,
+        ErrorCode.UNKNOWN_REQUEST,
+        ErrorCode.UNSUPPORTED_VERSION,
+    }
+)
+
+
+@dataclass
+class PullSlot:
+    """One broker group of a subscription's route and the pull in flight to it, if any (its handle:
+    a concurrent Future or an asyncio Task, see `qmq.client.steps.Start`)."""
+
+    group: RouteGroup
+    pending: Any = None
+    address: str = ""  # where the pull in flight went
+    due: float = 0.0  # when its reply is expected at the latest, before PULL_REPLY_GRACE_S (monotonic)
+    generation: int = 0  # SubscriptionState.generation(address) when its request was built
+    failures: int = 0  # pulls failed in a row
+    retry_at: float = 0.0  # no new pull before this (monotonic)
+
+    def can_pull(self, now: float) -> bool:
+        return self.pending is None and self.retry_at <= now
+
+    def sent(self, pending: Any, address: str, due: float, generation: int) -> None:
+        self.pending, self.address, self.due, self.generation = pending, address, due, generation
+
+    def failed(self, now: float) -> bool:
+        """Note a failed pull and when to try again; True when it is worth a warning (the first
+        failure is retried at once, and is usually a connection that a reconnect fixes)."""
+        self.failures += 1
+        self.retry_at = now + pull_retry_delay_s(self.failures)
+        return self.failures == 2
+
+    def succeeded(self) -> bool:
+        """Note a pull that worked; True when it ends a run of failures that was warned about."""
+        warned, self.failures = self.failures >= 2, 0
+        return warned
+
+
+def update_slots(slots: dict[str, PullSlot], route: Route) -> None:
+    """Add the route's new groups (routes only grow) and take in changed addresses and flags."""
+    for group in route.groups:
+        if not group.addresses:
+            continue
+        slot = slots.get(group.name)
+        if slot is None:
+            slots[group.name] = PullSlot(group)
+        else:
+            slot.group = group
+
+
+def pull_retry_delay_s(failures: int) -> float:
+    """How long to leave a broker alone after `failures` failed pulls in a row: the first failure
+    is retried at once (a lost connection is simply reopened), then the wait doubles."""
+    if failures <= 1:
+        return 0.0
+    return min(PULL_RETRY_MAX_DELAY_S, PULL_RETRY_DELAY_S * 2 ** (failures - 2))
+
+
+def is_fatal_pull_error(exc: BaseException) -> bool:
+    """A pull error that repeating cannot fix: the subscription's own request is refused."""
+    return isinstance(exc, RemoteError) and exc.code in FATAL_PULL_CODES
+
+
+class SubscriptionCore:
+    """A subscription without I/O; `Subscription` and `AsyncSubscription` are this class with a
+    driver, which makes its connections in `_open` and binds the loops below as its methods.
+
+    Thread-safe where the blocking driver needs it: `_lock` guards the state, the buffer and the
+    closed flag, so deliveries may be finished from any thread while one pull runs (the driver lets
+    one pull run at a time). No step is yielded while the lock is held."""
+
+    def __init__(self, client: ClientCore, options: SubscribeOptions) -> None:
+        self.client = client
+        self.options = options
+        self._state = SubscriptionState(options)
+        self._lock = threading.Lock()
+        self._slots: dict[str, PullSlot] = {}
+        self._buffer: deque[Delivery] = deque()
+        self._last_flush = time.monotonic()
+        self._closed = False
+        self._open()
+
+    def _open(self) -> None:
+        """The driver's connections and locks."""
+        raise NotImplementedError
+
+    @property
+    def subject(self) -> str:
+        return self.options.subject
+
+    @property
+    def group(self) -> str:
+        return self.options.group
+
+    @property
+    def consumer(self) -> str:
+        return self.options.consumer
+
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
+    # ---- the operations ------------------------------------------------------------------------------
+
+    def pull(self, max: int = DEFAULT_PULL_MAX, wait_s: float = DEFAULT_PULL_WAIT_S) -> Steps[list[Delivery]]:
+        """Up to `max` deliveries, waiting up to `wait_s` for the first; [] when none came. Raises
+        `ClientError` only when a broker refuses the subscription itself (a bad argument)."""
+        if max < 1:
+            raise ValueError("max must be at least 1")
+        if self.closed:
+            raise ClientError("this subscription is closed")
+        yield from self._refresh_route()
+        if self._flush_due():
+            yield from SubscriptionCore.flush(self)  # this class's loop, not a driver's method
+        if ready := self.take_buffered(max):
+            return ready
+        yield from SubscriptionCore.flush(self)  # about to wait: send what is finished now, not after
+        yield from self._pull_round(max, wait_s)
+        return self.take_buffered(max)
+
+    def take_buffered(self, max: int = DEFAULT_PULL_MAX) -> list[Delivery]:
+        """Deliveries already received and not yet returned by `pull`, without asking any broker for
+        more: for a consumer that stops pulling and wants to finish what it was handed."""
+        out: list[Delivery] = []
+        with self._lock:
+            while self._buffer and len(out) < max:
+                delivery = self._buffer.popleft()
+                if self._state.is_current(delivery):  # else its tracker was dropped: it comes again
+                    out.append(delivery)
+        return out
+
+    def nack(
+        self,
+        delivery: Delivery,
+        delay_s: float = 0.0,
+        *,
+        dead: bool = False,
+        reason: str = "",
+        max_attempts: int | None = None,
+    ) -> Steps[tuple[str, Any] | None]:
+        """The delivery failed: the broker gives it back to this group after `delay_s` with attempt+1,
+        or dead-letters it (`dead`, or its attempt reached `max_attempts`, by default the broker's).
+        Returns the broker's outcome, ("retry", due_ms) or ("dead", seq), or None when the nack
+        could not be made (the broker then delivers the message again anyway)."""
+        with self._lock:
+            body = self._state.nack_request(delivery, delay_s, dead=dead, reason=reason, max_attempts=max_attempts)
+            if not self._state.is_current(delivery):
+                return None
+        reply = yield Call(delivery.broker, RequestCode.BROKER_NACK, body, ACK_TIMEOUT_S)
+        if isinstance(reply, BaseException):
+            with self._lock:
+                self._state.drop_delivery(delivery)
+            log.warning(
+                "nack of message %s to %s failed (%s): the broker will deliver it again",
+                delivery.id,
+                delivery.broker,
+                reply,
+            )
+            return None
+        if self._finish(delivery):
+            yield from SubscriptionCore.flush(self)
+        outcomes = reply.get("outcomes") or [[None, None]]
+        return outcomes[0][0], outcomes[0][1]
+
+    def flush(self) -> Steps[None]:
+        """Send every acknowledgement made so far, one BROKER_ACK per broker. A broker that cannot
+        take them (lost connection, UNKNOWN_CONSUMER) will deliver those messages again."""
+        with self._lock:
+            acks = self._state.take_acks()
+            self._last_flush = time.monotonic()
+        if not acks:
+            return
+        addresses = list(acks)
+        replies = yield Calls([Call(a, RequestCode.BROKER_ACK, {"acks": acks[a]}, ACK_TIMEOUT_S) for a in addresses])
+        for address, reply in zip(addresses, replies, strict=True):
+            if isinstance(reply, BaseException):
+                with self._lock:
+                    self._state.drop(address, acks[address])
+                log.warning("acks to %s failed (%s): the broker will deliver the messages again", address, reply)
+
+    def heartbeat(self) -> Steps[None]:
+        """Tell every broker this consumer is alive (for handlers slower than the broker's consumer
+        timeout, which would otherwise give this consumer's messages to the rest of the group)."""
+        with self._lock:
+            bodies = self._state.heartbeat_requests()
+        if not bodies:
+            return
+        addresses = list(bodies)
+        replies = yield Calls([Call(a, RequestCode.BROKER_HEARTBEAT, bodies[a], ACK_TIMEOUT_S) for a in addresses])
+        for address, reply in zip(addresses, replies, strict=True):
+            if isinstance(reply, BaseException):
+                log.warning("heartbeat to %s failed: %s", address, reply)
+
+    # ---- for the drivers -----------------------------------------------------------------------------
+
+    def _register(self) -> Steps[None]:
+        """Find the route and pull once from every group without waiting: this registers the consumer
+        group with every broker, so a message sent after `subscribe` returns reaches a new group.
+        Raises `MetaUnreachable`, or `NoRoute` when no broker group carries the subject."""
+        route = yield GetRoute(self.subject)
+        if isinstance(route, BaseException):
+            raise route
+        if not route.groups:
+            raise no_route_error(self.client.meta, self.subject)
+        update_slots(self._slots, route)
+        yield from self._pull_round(DEFAULT_PULL_MAX, 0.0)
+
+    def _finish(self, delivery: Delivery) -> bool:
+        """Mark a delivery done (acknowledged, or nacked); True when the acknowledgements are due to go
+        out (`flush`)."""
+        with self._lock:
+            self._state.done(delivery)
+        return self._flush_due()
+
+    def _flush_due(self) -> bool:
+        return time.monotonic() - self._last_flush >= ACK_FLUSH_INTERVAL_S
+
+    def _mark_closed(self) -> list[Any]:
+        """Refuse further pulls; returns the handles of the pulls still in flight."""
+        with self._lock:
+            self._closed = True
+        return [s.pending for s in self._slots.values() if s.pending is not None]
+
+    # ---- pulling -------------------------------------------------------------------------------------
+
+    def _pull_round(self, max_count: int, wait_s: float) -> Steps[None]:
+        """Pull from every group until one has messages (they land in the buffer) or `wait_s` ran
+        out. Pulls still waiting at the end stay in flight; their replies are taken next time."""
+        deadline = time.monotonic() + wait_s
+        first = True
+        while True:
+            now = time.monotonic()
+            remaining = deadline - now
+            if remaining > 0 or first:
+                yield from self._start_pulls(max_count, max(0.0, remaining), now)
+            first = False
+            if remaining > 0:
+                in_flight = [s.pending for s in self._slots.values() if s.pending is not None]
+                if in_flight:
+                    yield WaitAny(in_flight, remaining)
+                else:  # every group is resting after failures
+                    next_try = min((s.retry_at for s in self._slots.values()), default=deadline)
+                    yield Sleep(max(0.0, min(deadline, next_try) - now))
+            else:  # time is up: collect the replies due by now (pulls made without waiting)
+                due = [s.pending for s in self._slots.values() if s.pending is not None and s.due <= now]
+                if due:
+                    yield WaitAll(due, PULL_REPLY_GRACE_S)
+            self._harvest()
+            with self._lock:
+                if self._buffer or remaining <= 0 or self._closed:
+                    return
+
+    def _start_pulls(self, max_count: int, wait_s: float, now: float) -> Steps[None]:
+        for slot in self._slots.values():
+            if not slot.can_pull(now):
+                continue
+            address = slot.group.addresses[0]
+            with self._lock:
+                body = self._state.pull_request(address, max_count, wait_s)
+                generation = self._state.generation(address)
+            handle = yield Start(Call(address, RequestCode.BROKER_PULL, body, wait_s + PULL_REPLY_GRACE_S))
+            slot.sent(handle, address, now + wait_s, generation)
+
+    def _harvest(self) -> None:
+        """Take the replies of finished pulls into the buffer; note failures for back-off."""
+        fatal: BaseException | None = None
+        for slot in self._slots.values():
+            handle = slot.pending
+            if handle is None or not handle.done():
+                continue
+            slot.pending = None
+            if handle.cancelled():  # closed meanwhile
+                continue
+            reply = outcome(handle)
+            if isinstance(reply, BaseException):
+                if is_fatal_pull_error(reply):
+                    fatal = reply
+                elif slot.failed(time.monotonic()):
+                    log.warning(
+                        "cannot pull %s from broker group %s at %s: %s; retrying",
+                        self.subject,
+                        slot.group.name,
+                        slot.address,
+                        reply,
+                    )
+                continue
+            if slot.succeeded():
+                log.info("pulling %s from broker group %s again", self.subject, slot.group.name)
+            with self._lock:
+                self._buffer.extend(self._state.accept(slot.address, reply, slot.generation))
+        if fatal is not None:
+            raise ClientError(f"the broker refused to serve {self.subject!r} to group {self.group!r}: {fatal}")
+
+    def _refresh_route(self) -> Steps[None]:
+        """Take in the route's new groups (without a meta server the route never changes)."""
+        if self.client.meta is None:
+            return
+        route = yield GetRoute(self.subject)
+        if isinstance(route, BaseException):
+            log.warning("keeping the route of %s: %s", self.subject, route)
+            return
+        update_slots(self._slots, route)

@@ -1,0 +1,358 @@
+"""What a subscription asks for, what it was handed, and what it must acknowledge, without I/O.
+
+`SubscribeOptions` are checked with the broker's own checks (`qmq.protocol.limits`), so that a
+subscription no broker would serve is refused before any request. A `SubscriptionState` builds pull
+requests, turns pull replies into `Delivery` objects and keeps one `AckTracker` per (broker, stored
+subject, group key, consumer). The broker's acks are prefixes (docs/broker.md): the tracker collects
+completions in any order and releases the contiguous completed prefix as one ack entry. A tracker that
+lost touch with its broker is dropped: the broker resends whatever it had not seen acknowledged, so
+nothing is lost, at the price of a duplicate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import socket
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from qmq.client.errors import InvalidSubscription
+from qmq.protocol import envelope
+from qmq.protocol.errors import ErrorCode, ProtocolError
+from qmq.protocol.limits import (
+    MAX_PULL_MESSAGES,
+    MAX_PULL_WAIT_MS,
+    consumer_id_from,
+    validate_consumer,
+    validate_group,
+    validate_subject,
+    validate_tags,
+)
+
+DEFAULT_PULL_MAX = 64  # messages asked for in one pull
+DEFAULT_PULL_WAIT_S = 2.5  # long polling: how long a pull waits for a message
+MAX_PULL_WAIT_S = MAX_PULL_WAIT_MS / 1000  # the broker's limit
+PULL_REPLY_GRACE_S = 5.0  # a pull's reply may arrive this long after its wait before it is a timeout
+STARTS = ("latest", "earliest")
+
+
+def default_consumer_id() -> str:
+    """hostname-pid-random: unique per subscription, readable in the broker's logs."""
+    return consumer_id_from(f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
+
+
+@dataclass(frozen=True)
+class SubscribeOptions:
+    """What a subscription asks the brokers for, checked here as a broker checks a pull, so that a
+    mistake is named at once: `InvalidSubscription` (a ValueError) with the broker's error code."""
+
+    subject: str
+    group: str
+    consumer: str = field(default_factory=default_consumer_id)
+    tags: tuple[str, ...] = ()
+    match_all: bool = False
+    broadcast: bool = False
+    start: str = "latest"
+
+    def __post_init__(self) -> None:
+        try:
+            validate_subject(self.subject)
+            validate_group(self.group)
+            validate_consumer(self.consumer)
+            object.__setattr__(self, "tags", validate_tags(list(self.tags)))
+        except ProtocolError as exc:
+            raise InvalidSubscription(exc.code, exc.message) from None
+        if self.start not in STARTS:
+            raise InvalidSubscription(
+                ErrorCode.BAD_REQUEST, f"start must be 'latest' or 'earliest', not {self.start!r}"
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class Delivery:
+    """A message as a consumer gets it. Acknowledge it with the subscription that pulled it.
+
+    `attempt` is 1 on the first delivery and grows with each retry; `created_at` is the producer's
+    clock (None for a message not sent by a qmq client), `stored_at` the broker's. The fields after
+    `payload` say where to acknowledge it; `epoch` tells a delivery made before its tracker was
+    dropped (its ack is ignored, and the broker delivers it again)."""
+
+    id: str
+    subject: str
+    body: Any
+    content_type: str
+    headers: dict[str, str]
+    tags: tuple[str, ...]
+    key: str | None
+    attempt: int
+    created_at: datetime | None
+    stored_at: datetime | None
+    payload: bytes
+    broker: str
+    stored_subject: str
+    group_key: str
+    consumer: str
+    pull_seq: int
+    epoch: int
+
+    @property
+    def is_retry(self) -> bool:
+        """Whether it came through the group's retry subject."""
+        return self.stored_subject != self.subject
+
+
+def ms_to_datetime(ms: int | None) -> datetime | None:
+    if ms is None:
+        return None
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+TrackerKey = tuple[str, str, str, str]  # broker address, stored subject, group key, consumer
+
+
+class AckTracker:
+    """The pull sequences one broker handed one consumer on one stored subject, and which are done.
+
+    The broker numbers what it hands out 0, 1, 2, ... and takes acks as prefixes. `receive` records a
+    batch and returns the sequences that are new (a resent batch may repeat ones already here);
+    `done` marks one finished, in any order; `take_ack` returns the end of the contiguous finished
+    prefix when it moved, to send as `[stored_subject, group_key, consumer, last_pull]`. `pulled` is
+    the end of the contiguous received prefix: telling the broker that number makes it resend
+    anything after it that is not acknowledged, which also fills any gap."""
+
+    def __init__(self, key: TrackerKey, epoch: int) -> None:
+        self.key = key
+        self.epoch = epoch
+        self.base: int | None = None  # the first pull sequence this tracker saw
+        self.received_upto = -1  # every sequence from base to here was received
+        self.done_upto = -1  # every sequence from base to here is done
+        self.acked_upto = -1  # the last ack handed out by take_ack covers up to here
+        self._received: set[int] = set()  # received, above received_upto
+        self._done: set[int] = set()  # done, above done_upto
+
+    @property
+    def pulled(self) -> int | None:
+        return self.received_upto if self.base is not None else None
+
+    @property
+    def outstanding(self) -> int:
+        """Received and not yet done."""
+        if self.base is None:
+            return 0
+        return (self.received_upto - self.done_upto) + len(self._received) - len(self._done)
+
+    @property
+    def last_received(self) -> int | None:
+        """The highest sequence received, gaps or not."""
+        if self.base is None:
+            return None
+        return max(self.received_upto, max(self._received, default=self.received_upto))
+
+    def receive(self, first_pull: int, count: int) -> list[int]:
+        if self.base is None:
+            self.base = first_pull
+            self.received_upto = self.done_upto = self.acked_upto = first_pull - 1
+        new = []
+        for seq in range(first_pull, first_pull + count):
+            if seq > self.received_upto and seq not in self._received:
+                new.append(seq)
+                self._received.add(seq)
+        while self.received_upto + 1 in self._received:
+            self.received_upto += 1
+            self._received.discard(self.received_upto)
+        return new
+
+    def done(self, pull_seq: int) -> None:
+        if pull_seq <= self.done_upto or not self._was_received(pull_seq):
+            return
+        self._done.add(pull_seq)
+        while self.done_upto + 1 in self._done:
+            self.done_upto += 1
+            self._done.discard(self.done_upto)
+
+    def take_ack(self) -> int | None:
+        if self.done_upto > self.acked_upto:
+            self.acked_upto = self.done_upto
+            return self.done_upto
+        return None
+
+    def _was_received(self, seq: int) -> bool:
+        return self.base is not None and self.base <= seq and (seq <= self.received_upto or seq in self._received)
+
+
+class SubscriptionState:
+    """Everything a subscription knows between requests: its options and its ack trackers.
+    Not thread-safe; the blocking driver holds a lock around it."""
+
+    def __init__(self, options: SubscribeOptions) -> None:
+        self.options = options
+        self._trackers: dict[TrackerKey, AckTracker] = {}
+        self._epochs = itertools.count(1)
+        self._drops: dict[str, int] = defaultdict(int)  # trackers dropped so far, by broker address
+
+    def generation(self, address: str) -> int:
+        """Changes whenever a tracker of `address` is dropped. A pull reply is only accepted with
+        the generation its request was built under (see `accept`)."""
+        return self._drops[address]
+
+    def pull_request(self, address: str, max_count: int, wait_s: float) -> dict[str, Any]:
+        """The BROKER_PULL body; `pulled` names, per stored subject, the end of what this consumer
+        received without a gap, so the broker resends anything after it not yet acknowledged."""
+        o = self.options
+        pulled = {key[1]: t.pulled for key, t in self._trackers.items() if key[0] == address and t.pulled is not None}
+        return {
+            "subject": o.subject,
+            "group": o.group,
+            "consumer": o.consumer,
+            "max": max(1, min(max_count, MAX_PULL_MESSAGES)),
+            "wait_ms": int(max(0.0, min(wait_s, MAX_PULL_WAIT_S)) * 1000),
+            "tags": list(o.tags),
+            "match_all": o.match_all,
+            "broadcast": o.broadcast,
+            "start": o.start,
+            "pulled": pulled,
+        }
+
+    def accept(self, address: str, reply: dict[str, Any], generation: int | None = None) -> list[Delivery]:
+        """The new deliveries in a BROKER_PULL reply from `address`, in the order given.
+
+        A tracker starts at the first batch it gets, and its acks cover everything below: so it
+        may only start from a reply to a request that did not name it in `pulled` (the broker then
+        begins at its first unacknowledged sequence). A reply to a request built before a tracker
+        of this address was dropped (`generation` differs) is ignored whole: the next pull gets its
+        messages again. A batch of new messages numbered at or below what the tracker already
+        received means the broker forgot this consumer's pulls (its state went back): the tracker is
+        dropped and the batch ignored; the next pull, naming nothing, gets all that is not
+        acknowledged again."""
+        if generation is not None and generation != self._drops[address]:
+            return []
+        deliveries = []
+        for batch in reply.get("batches") or ():
+            stored, group_key, first = str(batch["subject"]), str(batch["group"]), int(batch["first_pull"])
+            messages = batch.get("messages") or []
+            key = (address, stored, group_key, self.options.consumer)
+            tracker = self._trackers.get(key)
+            last = tracker.last_received if tracker is not None else None
+            if last is not None and not batch.get("resent") and first <= last:  # (0 is a sequence too)
+                del self._trackers[key]  # resent from the broker's ack point by the next pull
+                self._drops[address] += 1
+                continue
+            if tracker is None:
+                tracker = self._trackers[key] = AckTracker(key, next(self._epochs))
+            new = set(tracker.receive(first, len(messages)))
+            for offset, message in enumerate(messages):
+                if first + offset in new:
+                    deliveries.append(self._delivery(tracker, first + offset, message))
+        return deliveries
+
+    def is_current(self, delivery: Delivery) -> bool:
+        """False for a delivery whose tracker was dropped since: its ack would mean nothing."""
+        tracker = self._trackers.get(_key(delivery))
+        return tracker is not None and tracker.epoch == delivery.epoch
+
+    def done(self, delivery: Delivery) -> bool:
+        """Mark a delivery finished (acknowledged, or nacked and so handed back); False if stale."""
+        tracker = self._trackers.get(_key(delivery))
+        if tracker is None or tracker.epoch != delivery.epoch:
+            return False
+        tracker.done(delivery.pull_seq)
+        return True
+
+    def take_acks(self) -> dict[str, list[list[Any]]]:
+        """BROKER_ACK entries by broker address, for every tracker whose finished prefix moved."""
+        acks: dict[str, list[list[Any]]] = defaultdict(list)
+        for (address, stored, group_key, consumer), tracker in self._trackers.items():
+            last_pull = tracker.take_ack()
+            if last_pull is not None:
+                acks[address].append([stored, group_key, consumer, last_pull])
+        return dict(acks)
+
+    def drop(self, address: str, entries: Iterable[Sequence[Any]] | None = None) -> int:
+        """Forget the trackers of `address` named by ack `entries` (all of them when None): the broker
+        will resend what they held that it had not seen acknowledged. Returns how many were dropped."""
+        if entries is None:
+            keys = [k for k in self._trackers if k[0] == address]
+        else:
+            keys = [(address, str(e[0]), str(e[1]), str(e[2])) for e in entries]
+        dropped = sum(self._trackers.pop(k, None) is not None for k in keys)
+        if dropped:
+            self._drops[address] += 1
+        return dropped
+
+    def drop_delivery(self, delivery: Delivery) -> None:
+        """Forget the tracker of one delivery (its nack could not be delivered)."""
+        if self.is_current(delivery):
+            del self._trackers[_key(delivery)]
+            self._drops[delivery.broker] += 1
+
+    def nack_request(
+        self,
+        delivery: Delivery,
+        delay_s: float,
+        *,
+        dead: bool = False,
+        reason: str = "",
+        max_attempts: int | None = None,
+    ) -> dict[str, Any]:
+        if not delay_s >= 0 or delay_s == float("inf"):
+            raise ValueError(f"delay_s must be a finite number of seconds >= 0, not {delay_s!r}")
+        if max_attempts is not None and max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        nack: dict[str, Any] = {
+            "subject": delivery.stored_subject,
+            "group": delivery.group_key,
+            "consumer": delivery.consumer,
+            "pull_seq": delivery.pull_seq,
+            "attempt": delivery.attempt,
+            "delay_ms": int(delay_s * 1000),
+            "dead": bool(dead),
+            "reason": str(reason)[:1000],
+        }
+        if max_attempts is not None:
+            nack["max_attempts"] = int(max_attempts)
+        return {"nacks": [nack]}
+
+    def heartbeat_requests(self) -> dict[str, dict[str, Any]]:
+        """BROKER_HEARTBEAT bodies by broker address, naming every stored subject this consumer holds."""
+        consumers: dict[str, list[list[str]]] = defaultdict(list)
+        for address, stored, group_key, consumer in self._trackers:
+            consumers[address].append([stored, group_key, consumer])
+        return {address: {"consumers": items} for address, items in consumers.items()}
+
+    @property
+    def outstanding(self) -> int:
+        """Deliveries handed out and not yet finished."""
+        return sum(t.outstanding for t in self._trackers.values())
+
+    def _delivery(self, tracker: AckTracker, pull_seq: int, message: dict[str, Any]) -> Delivery:
+        address, stored, group_key, consumer = tracker.key
+        payload = bytes(message.get("payload") or b"")
+        env = envelope.decode(payload)
+        return Delivery(
+            id=str(message["id"]),
+            subject=str(message.get("subject") or self.options.subject),
+            body=env.body,
+            content_type=env.content_type,
+            headers=dict(env.headers),
+            tags=tuple(message.get("tags") or ()),
+            key=message.get("key"),
+            attempt=int(message.get("attempt") or 1),
+            created_at=ms_to_datetime(env.created_at),
+            stored_at=ms_to_datetime(message.get("stored_at")),
+            payload=payload,
+            broker=address,
+            stored_subject=stored,
+            group_key=group_key,
+            consumer=consumer,
+            pull_seq=pull_seq,
+            epoch=tracker.epoch,
+        )
+
+
+def _key(delivery: Delivery) -> TrackerKey:
+    return (delivery.broker, delivery.stored_subject, delivery.group_key, delivery.consumer)

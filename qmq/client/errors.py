@@ -1,0 +1,72 @@
+"""The errors a qmq client raises, and how it names a broker's error codes.
+
+`ClientError` and its kinds say what a caller cannot work around. `InvalidMessage` and
+`InvalidSubscription` are refusals made before anything is sent: they carry the `ErrorCode` a broker
+would have answered, because the client checks with the broker's own functions
+(`qmq.protocol.limits`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from qmq.protocol.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from qmq.client.messages import SendResult
+
+
+class ClientError(Exception):
+    """A problem a qmq client cannot work around, said so that the user can act on it."""
+
+
+class MetaUnreachable(ClientError):
+    """The meta server could not be asked for a route."""
+
+
+class NoRoute(ClientError):
+    """No broker group carries the subject (none registered, or every one is unavailable)."""
+
+
+class SendError(ClientError):
+    """A message was rejected, or no broker group accepted it. `result` says which and why."""
+
+    def __init__(self, result: SendResult) -> None:
+        super().__init__(f"message {result.message_id} to {result.subject} was not sent: {result.error}")
+        self.result = result
+
+
+class Refused(ValueError):
+    """Something no broker would accept, found before sending; `code` is the error a broker answers
+    with when sent the same thing."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class InvalidMessage(Refused):
+    """A message no broker would accept (subject, id, key, tags, size)."""
+
+
+class InvalidSubscription(Refused):
+    """A subscription no broker would serve (subject, group, consumer id, tags, start)."""
+
+
+class ConnectFailed(ConnectionError):
+    """No connection could be opened to `address` (nothing listens, unreachable, timed out)."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"cannot connect to {address}: {reason}")
+        self.address = address
+        self.reason = reason
+
+
+def error_name(code: int | None) -> str:
+    """`ErrorCode` name of a code from a broker's reply ("error N" for one this client does not know)."""
+    if code is None:
+        return "ERROR"
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return f"error {code}"

@@ -1,0 +1,158 @@
+"""Messages to send, as a user writes them and as a broker receives them, and what became of each.
+
+A user's `OutgoingMessage` becomes a wire message once, with its id, so that a retry on another broker
+group carries the same id and a consumer can drop the duplicate. The wire message is checked with
+the broker's own check (`qmq.protocol.limits.validate_sent_message`): what a broker would refuse is
+refused here, before sending, with the error code the broker would answer (`check_message`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from qmq.client.errors import InvalidMessage
+from qmq.ids import new_id
+from qmq.protocol import envelope
+from qmq.protocol.errors import ProtocolError
+from qmq.protocol.limits import DEFAULT_LIMITS, validate_sent_message
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True)
+class OutgoingMessage:
+    """A message to send. `body` is bytes, str or anything JSON can encode (see
+    `qmq.protocol.envelope`); `id` is made now when not given, and stays the message's id through
+    every retry; `created_at` is ms since the epoch, now when not given."""
+
+    subject: str
+    body: Any
+    key: str | None = None
+    tags: Sequence[str] = ()
+    headers: Mapping[str, str] | None = None
+    id: str = field(default_factory=new_id)
+    created_at: int = field(default_factory=now_ms)
+    # Given: `body` is already encoded bytes of this type (an outbox row); None: inferred from the body.
+    content_type: str | None = None
+    # When to deliver: an aware datetime, or ms since the epoch. In the future: the message goes to a
+    # delay server, which hands it to a broker then; None or a time already past: straight to a broker.
+    deliver_at: datetime | int | None = None
+
+    def __post_init__(self) -> None:
+        if self.deliver_at is not None:
+            object.__setattr__(self, "deliver_at", deliver_at_ms(self.deliver_at))
+
+    def to_wire(self, known_subjects: set[str] | None = None) -> dict[str, Any]:
+        """The message as BROKER_SEND carries it, its body wrapped in the envelope, checked as a broker
+        checks it (see `check_message`). `known_subjects`: subjects already found valid, to skip."""
+        return wire_message(
+            self.subject,
+            self.body,
+            key=self.key,
+            tags=self.tags,
+            headers=self.headers,
+            message_id=self.id,
+            created_at=self.created_at,
+            content_type=self.content_type,
+            known_subjects=known_subjects,
+        )
+
+
+class ForwardedMessage(OutgoingMessage):
+    """A message whose payload is already an envelope (the delay server handing on what a producer
+    sent): sent as it is, with its id."""
+
+    def __init__(
+        self,
+        subject: str,
+        body: Any = None,
+        *,
+        payload: bytes,
+        key: str | None = None,
+        tags: Sequence[str] = (),
+        id: str,
+    ) -> None:
+        super().__init__(subject, body, key=key, tags=tuple(tags), id=id)
+        object.__setattr__(self, "payload", payload)
+
+    def to_wire(self, known_subjects: set[str] | None = None) -> dict[str, Any]:
+        wire = {
+            "id": self.id,
+            "subject": self.subject,
+            "payload": self.payload,
+            "key": self.key,
+            "tags": list(self.tags),
+        }
+        return check_wire(wire, known_subjects)
+
+
+def check_message(message: OutgoingMessage) -> dict[str, Any]:
+    """`message` as a send request carries it, refused exactly as a broker would refuse it: raises
+    `InvalidMessage` whose `code` is the broker's answer (BAD_SUBJECT; BAD_REQUEST for the id, key
+    or tags; MESSAGE_TOO_LARGE for a payload, envelope included, over `MAX_MESSAGE_BYTES`), or
+    TypeError for a body that cannot be encoded. For code that keeps a message to send later (an
+    outbox), so that a message no broker would ever take is refused in its caller."""
+    return message.to_wire()
+
+
+def deliver_at_ms(value: datetime | int) -> int:
+    """A delivery time as ms since the epoch: from an aware datetime, or an int already in ms."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError("deliver_at must be an aware datetime (with a tzinfo), or ms since the epoch")
+        return int(value.timestamp() * 1000)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"deliver_at must be an aware datetime or ms since the epoch, not {type(value).__name__}")
+
+
+def wire_message(
+    subject: str,
+    body: Any,
+    *,
+    key: str | None = None,
+    tags: Sequence[str] = (),
+    headers: Mapping[str, str] | None = None,
+    message_id: str | None = None,
+    created_at: int | None = None,
+    content_type: str | None = None,
+    known_subjects: set[str] | None = None,
+) -> dict[str, Any]:
+    """`{"id", "subject", "payload", "key", "tags"}` for BROKER_SEND; see `OutgoingMessage.to_wire`."""
+    payload = envelope.encode(
+        body,
+        headers=dict(headers) if headers else None,
+        created_at=now_ms() if created_at is None else created_at,
+        content_type=content_type,
+    )
+    wire = {"id": message_id or new_id(), "subject": subject, "payload": payload, "key": key, "tags": list(tags)}
+    return check_wire(wire, known_subjects)
+
+
+def check_wire(wire: dict[str, Any], known_subjects: set[str] | None = None) -> dict[str, Any]:
+    """`wire` if a broker would store it, else `InvalidMessage` with the broker's error code; an empty
+    key is sent as none, as the broker stores it."""
+    try:
+        validate_sent_message(wire, DEFAULT_LIMITS, set() if known_subjects is None else known_subjects)
+    except ProtocolError as exc:
+        raise InvalidMessage(exc.code, exc.message) from None
+    wire["key"] = wire["key"] or None
+    return wire
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What became of one message: stored by `group`, or not (`error_code`, `error`)."""
+
+    message_id: str
+    subject: str
+    ok: bool
+    error_code: int | None = None
+    error: str | None = None
+    group: str | None = None

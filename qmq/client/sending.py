@@ -1,0 +1,347 @@
+"""Sending: the send loop, and the choices it makes without I/O.
+
+`send` is the loop behind `Client.send` and `AsyncClient.send` (a generator of steps, see
+`qmq.client.steps`): a `SendJob` spreads one call's messages over the writable groups of each
+subject's route, batches them, merges the broker's per-message replies into `SendResult`s and says
+which messages to offer again, and where; `GroupHealth` remembers groups that just failed, so that
+the next messages go elsewhere first. `cancel` asks every delay server to drop delayed messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from qmq.client.errors import ClientError, InvalidMessage, MetaUnreachable, error_name
+from qmq.client.messages import OutgoingMessage, SendResult, now_ms
+from qmq.client.routes import Route, RouteBook, RouteGroup
+from qmq.client.steps import Call, Calls, Sleep, Steps
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
+from qmq.protocol.limits import MAX_FRAME_BYTES
+
+log = logging.getLogger("qmq.client")
+
+DEFAULT_BATCH_SIZE = 64  # messages in one BROKER_SEND
+MAX_BATCH_BYTES = MAX_FRAME_BYTES // 2  # payload bytes in one BROKER_SEND, well under a frame
+SEND_ATTEMPTS = 3  # groups a message is offered to before its send is reported as failed
+RETRY_DELAY_S = 0.2  # before offering a message again to a group that already failed it
+SUSPECT_FOR_S = 5.0  # a group that just failed a send is chosen last for this long
+SEND_TIMEOUT_S = 10.0  # wait for one BROKER_SEND reply
+# A send that failed with one of these may work on another group (or later); any other is final.
+RETRIABLE_SEND_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.READ_ONLY, ErrorCode.TIMEOUT})
+CANCEL_TIMEOUT_S = 10.0  # wait for one DELAY_CANCEL reply
+CANCEL_OUTCOMES = ("cancelled", "too_late", "unknown")  # best first
+
+
+# ---- choosing groups -------------------------------------------------------------------------------
+
+
+class GroupHealth:
+    """Groups that failed a request lately, so that the next messages go elsewhere first (the meta
+    server notices a dead broker only after its heartbeat timeout). Callers pass the clock, and hold
+    `lock` where threads share one (the send loop holds it around a plan and around each report)."""
+
+    def __init__(self, suspect_for_s: float = SUSPECT_FOR_S) -> None:
+        self.suspect_for_s = suspect_for_s
+        self.lock = threading.Lock()
+        self._failed_at: dict[str, float] = {}
+
+    def failed(self, group: str, now: float) -> None:
+        self._failed_at[group] = now
+
+    def succeeded(self, group: str) -> None:
+        self._failed_at.pop(group, None)
+
+    def suspect(self, group: str, now: float) -> bool:
+        failed_at = self._failed_at.get(group)
+        return failed_at is not None and now - failed_at < self.suspect_for_s
+
+
+def choose_group(
+    route: Route, message_id: str, *, tried: Sequence[str] = (), health: GroupHealth | None = None, now: float = 0.0
+) -> tuple[RouteGroup | None, bool]:
+    """The group to offer a message to, and whether it is one the message already failed on.
+
+    Writable groups (available, not read-only) only; those the message has not been tried on come
+    first, then groups that have not failed lately; among equals the message id picks, so messages
+    spread evenly over the groups and a retry moves to the next group of the route."""
+    writable = route.writable_groups
+    if not writable:
+        return None, False
+    if len(writable) == 1 and not tried and (health is None or not health.suspect(writable[0].name, now)):
+        return writable[0], False
+    untried = [g for g in writable if g.name not in tried]
+    candidates, again = (untried, False) if untried else (list(writable), True)
+    if health is not None:
+        healthy = [g for g in candidates if not health.suspect(g.name, now)]
+        candidates = healthy or candidates
+    return candidates[zlib.crc32(message_id.encode()) % len(candidates)], again
+
+
+# ---- one send call ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SendBatch:
+    """One BROKER_SEND (or DELAY_SEND to a delay server): `indices` are the positions of its
+    messages in the job."""
+
+    group: str
+    addresses: tuple[str, ...]
+    indices: list[int]
+    body: dict[str, Any]
+    code: int = RequestCode.BROKER_SEND
+
+
+def classify_send_error(exc: BaseException) -> tuple[bool, int, str]:
+    """(worth trying elsewhere, error code, text) for an exception from a BROKER_SEND request."""
+    if isinstance(exc, RemoteError):
+        return exc.code in RETRIABLE_SEND_CODES, exc.code, str(exc)
+    if isinstance(exc, ProtocolError):  # refused by our own connection, e.g. a frame over the limit
+        return False, exc.code, str(exc)
+    if isinstance(exc, TimeoutError):
+        return True, ErrorCode.TIMEOUT, str(exc) or "timed out"
+    if isinstance(exc, OSError):  # ConnectionError included
+        return True, ErrorCode.UNAVAILABLE, str(exc) or type(exc).__name__
+    return False, ErrorCode.INTERNAL, repr(exc)
+
+
+class SendJob:
+    """The state of one `send(messages)` call. The send loop (`send`) fetches routes for
+    `pending_subjects()`, `plan()`s batches, sends them, reports each with `on_reply` or `on_error`,
+    until `done`; then `results()`. Messages a broker would reject are answered at once."""
+
+    def __init__(
+        self,
+        messages: Sequence[OutgoingMessage],
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_attempts: int = SEND_ATTEMPTS,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        self.batch_size = batch_size
+        self.max_attempts = max_attempts
+        self.max_batch_bytes = max_batch_bytes
+        self.messages = list(messages)
+        self.wires: list[dict[str, Any] | None] = []
+        self._results: list[SendResult | None] = []
+        self._tried: list[list[str]] = [[] for _ in self.messages]
+        self._last_error: list[tuple[int, str] | None] = [None] * len(self.messages)
+        self.retry_delay_s = 0.0  # set by plan(): wait this long before sending its batches
+        self.delayed: list[bool] = []  # goes to a delay server (deliver_at in the future)
+        now = now_ms()
+        known_subjects: set[str] = set()  # checked once per call
+        for message in self.messages:
+            deliver_at = getattr(message, "deliver_at", None)
+            self.delayed.append(deliver_at is not None and deliver_at > now)
+            try:
+                self.wires.append(message.to_wire(known_subjects))
+                if self.delayed[-1]:
+                    self.wires[-1]["deliver_at"] = deliver_at
+                self._results.append(None)
+            except InvalidMessage as exc:
+                self.wires.append(None)
+                self._results.append(self._failure(message, exc.code, f"{error_name(exc.code)}: {exc}"))
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self._results)
+
+    def results(self) -> list[SendResult]:
+        assert self.done, "the send job still has messages to send"
+        return [r for r in self._results if r is not None]
+
+    def pending_subjects(self) -> set[str]:
+        return {self.messages[i].subject for i in self._pending()}
+
+    def fail_subject(self, subject: str, code: int, text: str) -> None:
+        """Give up on every pending message of `subject` (its route cannot be had)."""
+        for i in self._pending():
+            if self.messages[i].subject == subject:
+                self._results[i] = self._failure(self.messages[i], code, text)
+
+    def plan(self, routes: Mapping[str, Route], health: GroupHealth | None = None, now: float = 0.0) -> list[SendBatch]:
+        """The batches for the next round: each pending message offered to one group. Messages with
+        no writable group left, or out of attempts, fail here with the last error they met."""
+        by_group: dict[tuple[bool, str], tuple[RouteGroup, list[int]]] = {}
+        self.retry_delay_s = 0.0
+        for i in self._pending():
+            message = self.messages[i]
+            route = routes.get(message.subject)
+            delayed = self.delayed[i]
+            if delayed and route is not None:
+                route = route.delay_route
+            if len(self._tried[i]) >= self.max_attempts:
+                code, text = self._last_error[i] or (ErrorCode.UNAVAILABLE, "no attempt left")
+                tried = ", ".join(dict.fromkeys(self._tried[i]))
+                self._results[i] = self._failure(
+                    message, code, f"not stored after {len(self._tried[i])} attempts (on {tried}); last: {text}"
+                )
+                continue
+            group, again = (
+                choose_group(route, message.id, tried=self._tried[i], health=health, now=now)
+                if route is not None
+                else (None, False)
+            )
+            if group is None:
+                text = (
+                    "no delay server is available for delayed messages"
+                    if delayed
+                    else f"no writable broker group carries subject {message.subject!r}"
+                )
+                if self._last_error[i] is not None:
+                    text += f" (last error: {self._last_error[i][1]})"
+                self._results[i] = self._failure(message, ErrorCode.UNAVAILABLE, text)
+                continue
+            if again:
+                self.retry_delay_s = RETRY_DELAY_S
+            self._tried[i].append(group.name)
+            by_group.setdefault((delayed, group.name), (group, []))[1].append(i)
+        batches = []
+        for (delayed, _name), (group, indices) in by_group.items():
+            batch: list[int] = []
+            size = 0
+            for i in indices:
+                wire = self.wires[i]
+                assert wire is not None
+                if batch and (len(batch) >= self.batch_size or size + len(wire["payload"]) > self.max_batch_bytes):
+                    batches.append(self._batch(group, batch, delayed))
+                    batch, size = [], 0
+                batch.append(i)
+                size += len(wire["payload"])
+            if batch:
+                batches.append(self._batch(group, batch, delayed))
+        return batches
+
+    def on_reply(self, batch: SendBatch, reply: dict[str, Any]) -> None:
+        """Merge a BROKER_SEND reply: `rejected` lists [index in the batch, code, message]; every
+        other message of the batch was stored."""
+        rejected: dict[int, tuple[int, str]] = {}
+        for item in reply.get("rejected") or ():
+            index, code, text = item[0], int(item[1]), str(item[2])
+            rejected[int(index)] = (code, text)
+        for position, i in enumerate(batch.indices):
+            message = self.messages[i]
+            if position not in rejected:
+                self._results[i] = SendResult(message.id, message.subject, True, group=batch.group)
+                continue
+            code, text = rejected[position]
+            text = f"{error_name(code)}: {text}"
+            if code in RETRIABLE_SEND_CODES:
+                self._last_error[i] = (code, f"group {batch.group}: {text}")
+            else:
+                self._results[i] = self._failure(message, code, text)
+
+    def on_error(self, batch: SendBatch, exc: BaseException) -> bool:
+        """The whole request failed. Returns whether its messages will be tried again (on another
+        group when the route has one); if not, they failed with this error."""
+        retriable, code, text = classify_send_error(exc)
+        for i in batch.indices:
+            if retriable:
+                self._last_error[i] = (code, f"group {batch.group}: {text}")
+            else:
+                self._results[i] = self._failure(self.messages[i], code, text)
+        return retriable
+
+    def _pending(self) -> list[int]:
+        return [i for i, r in enumerate(self._results) if r is None]
+
+    def _batch(self, group: RouteGroup, indices: list[int], delayed: bool = False) -> SendBatch:
+        return SendBatch(
+            group.name,
+            group.addresses,
+            indices,
+            {"messages": [self.wires[i] for i in indices]},
+            RequestCode.DELAY_SEND if delayed else RequestCode.BROKER_SEND,
+        )
+
+    @staticmethod
+    def _failure(message: OutgoingMessage, code: int, text: str) -> SendResult:
+        return SendResult(message.id, message.subject, False, error_code=int(code), error=text)
+
+
+# ---- the loops ----------------------------------------------------------------------------------------
+
+
+def send(
+    routes: RouteBook,
+    health: GroupHealth,
+    messages: Iterable[OutgoingMessage],
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    timeout_s: float = SEND_TIMEOUT_S,
+) -> Steps[list[SendResult]]:
+    """Send messages; one result per message, in order, never an exception for a message that could
+    not be sent. The batches of a round go out together; a message whose group failed is offered to
+    another group of its route (the same id), its route asked for again."""
+    job = SendJob(list(messages), batch_size=batch_size)
+    refresh: set[str] = set()
+    while not job.done:
+        routes_now: dict[str, Route] = {}
+        for subject in job.pending_subjects():
+            try:
+                routes_now[subject] = yield from routes.lookup(subject, refresh=subject in refresh)
+            except MetaUnreachable as exc:
+                job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc))
+        with health.lock:
+            batches = job.plan(routes_now, health, time.monotonic())
+        if not batches:
+            continue
+        if job.retry_delay_s:
+            yield Sleep(job.retry_delay_s)  # every group left already failed these messages once
+        refresh = set()
+        outcomes = yield Calls([Call(b.addresses[0], b.code, b.body, timeout_s) for b in batches])
+        for batch, outcome in zip(batches, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if job.on_error(batch, outcome):
+                    log.warning(
+                        "send to broker group %s failed (%s); offering its messages again", batch.group, outcome
+                    )
+                    with health.lock:
+                        health.failed(batch.group, time.monotonic())
+                    refresh |= {job.messages[i].subject for i in batch.indices}
+            else:
+                job.on_reply(batch, outcome)
+                with health.lock:
+                    health.succeeded(batch.group)
+        routes.invalidate(refresh)
+    return job.results()
+
+
+def cancel(routes: RouteBook, message_ids: Iterable[str]) -> Steps[dict[str, str]]:
+    """Cancel delayed messages by id: every delay server is asked (the message is on one of them);
+    see `merge_cancel_outcomes`. Raises `ClientError` when a delay server could not be asked."""
+    ids = list(message_ids)
+    if not ids:
+        return {}
+    addresses = yield from routes.delay_server_addresses()
+    replies = yield Calls([Call(a, RequestCode.DELAY_CANCEL, {"ids": ids}, CANCEL_TIMEOUT_S) for a in addresses])
+    for address, reply in zip(addresses, replies, strict=True):
+        if isinstance(reply, RemoteError | OSError):
+            raise ClientError(
+                f"cancel not confirmed by delay server {address} ({reply}); the message may be there: "
+                "cancel again (cancelling twice is harmless)"
+            )
+        if isinstance(reply, BaseException):
+            raise reply
+    return merge_cancel_outcomes(ids, replies)
+
+
+def merge_cancel_outcomes(ids: Sequence[str], replies: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """One outcome per id from every delay server's DELAY_CANCEL reply: the message is on one of
+    them, so the best outcome wins ("cancelled": it will never be delivered; "too_late": it was due
+    already and was or is being delivered; "unknown": no delay server knows it)."""
+    best = dict.fromkeys(ids, len(CANCEL_OUTCOMES) - 1)
+    for reply in replies:
+        for message_id, outcome in zip(ids, reply.get("outcomes") or (), strict=False):
+            if outcome in CANCEL_OUTCOMES:
+                best[message_id] = min(best[message_id], CANCEL_OUTCOMES.index(outcome))
+    return {message_id: CANCEL_OUTCOMES[rank] for message_id, rank in best.items()}
