@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from qmq.client.consuming import pull_retry_delay_s
 from qmq.client.deliveries import AckTracker, SubscribeOptions, SubscriptionState
 from qmq.client.errors import InvalidMessage
-from qmq.client.messages import OutgoingMessage, wire_message
+from qmq.client.messages import OutgoingMessage
 from qmq.client.routes import RouteCache, parse_address, parse_route, static_route
 from qmq.client.sending import RETRY_DELAY_S, GroupHealth, SendJob, choose_group
 from qmq.protocol import envelope
@@ -341,8 +341,9 @@ def messages(n: int, subject: str = "s") -> list[OutgoingMessage]:
     return [OutgoingMessage(subject, f"body {i}") for i in range(n)]
 
 
-def test_wire_message_wraps_the_body_in_the_envelope() -> None:
-    wire = wire_message("s", {"a": 1}, key="k", tags=["t"], headers={"h": "v"}, message_id="id-1", created_at=5)
+def test_to_wire_wraps_the_body_in_the_envelope() -> None:
+    message = OutgoingMessage("s", {"a": 1}, key="k", tags=["t"], headers={"h": "v"}, id="id-1", created_at=5)
+    wire = message.to_wire()
     assert {k: v for k, v in wire.items() if k != "payload"} == {
         "id": "id-1",
         "subject": "s",
@@ -350,15 +351,16 @@ def test_wire_message_wraps_the_body_in_the_envelope() -> None:
         "tags": ["t"],
     }
     assert envelope.decode(wire["payload"]) == ({"a": 1}, envelope.JSON, {"h": "v"}, 5, b'{"a":1}')
+    assert OutgoingMessage("s", b"", key="").to_wire()["key"] is None  # as the broker stores it
     with pytest.raises(InvalidMessage) as info:
-        wire_message("%DEAD%s%g", b"")
+        OutgoingMessage("%DEAD%s%g", b"").to_wire()
     assert info.value.code == ErrorCode.BAD_SUBJECT
     with pytest.raises(InvalidMessage):
-        wire_message("s", b"", tags=["a b"])
+        OutgoingMessage("s", b"", tags=["a b"]).to_wire()
     with pytest.raises(InvalidMessage):
-        wire_message("s", b"", key="k" * 300)
+        OutgoingMessage("s", b"", key="k" * 300).to_wire()
     with pytest.raises(TypeError):
-        wire_message("s", object())
+        OutgoingMessage("s", object()).to_wire()
 
 
 def test_send_job_merges_stored_and_rejected() -> None:

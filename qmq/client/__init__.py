@@ -21,9 +21,8 @@ from qmq.client.errors import (
     InvalidSubscription,
     MetaUnreachable,
     NoRoute,
-    SendError,
 )
-from qmq.client.messages import OutgoingMessage, SendResult, check_message
+from qmq.client.messages import OutgoingMessage, SendError, SendResult, check_message
 
 __all__ = [
     "AsyncClient",

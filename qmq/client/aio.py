@@ -71,10 +71,6 @@ class AsyncClient(ClientCore):
     cancel = awaiting(ClientCore.cancel)
     subscribe = awaiting(ClientCore.subscribe)
 
-    def _open(self) -> None:
-        self._pool = AsyncConnectionPool(client_id=self.client_id, token=self.token)
-        self._sends = asyncio.Semaphore(MAX_SENDS_IN_FLIGHT)
-
     async def close(self) -> None:
         """Close every subscription (flushing its acks) and every connection."""
         for subscription in list(self._subscriptions):
@@ -86,6 +82,10 @@ class AsyncClient(ClientCore):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+    def _open(self) -> None:
+        self._pool = AsyncConnectionPool(client_id=self.client_id, token=self.token)
+        self._sends = asyncio.Semaphore(MAX_SENDS_IN_FLIGHT)
 
     async def _do(self, step: Step) -> Any:
         if isinstance(step, Call):
@@ -115,10 +115,6 @@ class AsyncSubscription(SubscriptionCore):
     nack = awaiting(SubscriptionCore.nack)
     flush = awaiting(SubscriptionCore.flush)
     heartbeat = awaiting(SubscriptionCore.heartbeat)
-
-    def _open(self) -> None:
-        self._pull_lock = asyncio.Lock()  # one pull() at a time
-        self._pool = AsyncConnectionPool(client_id=self.client.client_id, token=self.client.token)
 
     async def _start(self) -> None:
         """Register with every broker of the route (see `SubscriptionCore._register`)."""
@@ -152,6 +148,10 @@ class AsyncSubscription(SubscriptionCore):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+    def _open(self) -> None:
+        self._pull_lock = asyncio.Lock()  # one pull() at a time
+        self._pool = AsyncConnectionPool(client_id=self.client.client_id, token=self.client.token)
 
     async def _do(self, step: Step) -> Any:
         if isinstance(step, Start):

@@ -80,13 +80,8 @@ class Client(ClientCore):
     cancel = blocking(ClientCore.cancel)
     subscribe = blocking(ClientCore.subscribe)
 
-    def _open(self) -> None:
-        self._pool = ConnectionPool(client_id=self.client_id, token=self.token)
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
-
     def close(self) -> None:
-        """Close every subscription (flushing its acks) and every connection."""
+        """Close every subscription (flushing its acks), every connection and the send threads."""
         for subscription in list(self._subscriptions):
             subscription.close()
         self._pool.close()
@@ -99,6 +94,11 @@ class Client(ClientCore):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _open(self) -> None:
+        self._pool = ConnectionPool(client_id=self.client_id, token=self.token)
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
 
     def _do(self, step: Step) -> Any:
         if isinstance(step, Call):
@@ -144,12 +144,6 @@ class Subscription(SubscriptionCore):
             self._shutdown()
             raise
 
-    def _open(self) -> None:
-        self._pull_lock = threading.Lock()  # one pull() at a time
-        self._pool = ConnectionPool(client_id=self.client.client_id, token=self.client.token)
-        self._executor = ThreadPoolExecutor(max_workers=MAX_PULL_THREADS, thread_name_prefix="qmq-pull")
-        self._wakeup = threading.Event()  # ends a Sleep when the subscription closes
-
     def pull(self, max: int = DEFAULT_PULL_MAX, wait_s: float = DEFAULT_PULL_WAIT_S) -> list[Delivery]:
         """Up to `max` deliveries, waiting up to `wait_s` for the first; [] when none came. Raises
         `ClientError` only when a broker refuses the subscription itself (a bad argument)."""
@@ -176,6 +170,12 @@ class Subscription(SubscriptionCore):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _open(self) -> None:
+        self._pull_lock = threading.Lock()  # one pull() at a time
+        self._pool = ConnectionPool(client_id=self.client.client_id, token=self.client.token)
+        self._executor = ThreadPoolExecutor(max_workers=MAX_PULL_THREADS, thread_name_prefix="qmq-pull")
+        self._wakeup = threading.Event()  # ends a Sleep when the subscription closes
 
     def _do(self, step: Step) -> Any:
         if isinstance(step, Start):

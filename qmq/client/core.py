@@ -24,8 +24,8 @@ from qmq.client.deliveries import (
     SubscribeOptions,
     default_consumer_id,
 )
-from qmq.client.errors import InvalidMessage, SendError
-from qmq.client.messages import ForwardedMessage, OutgoingMessage, SendResult
+from qmq.client.errors import InvalidMessage
+from qmq.client.messages import ForwardedMessage, OutgoingMessage, SendError, SendResult
 from qmq.client.routes import Route, RouteBook, resolve_delay_servers, resolve_servers
 from qmq.client.sending import (
     DEFAULT_BATCH_SIZE,

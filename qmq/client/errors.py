@@ -1,6 +1,7 @@
 """The errors a qmq client raises, and how it names a broker's error codes.
 
-`ClientError` and its kinds say what a caller cannot work around. `InvalidMessage` and
+`ClientError` and its kinds say what a caller cannot work around (`SendError` stands beside the
+`SendResult` it carries, in `qmq.client.messages`). `InvalidMessage` and
 `InvalidSubscription` are refusals made before anything is sent: they carry the `ErrorCode` a broker
 would have answered, because the client checks with the broker's own functions
 (`qmq.protocol.limits`).
@@ -8,12 +9,7 @@ would have answered, because the client checks with the broker's own functions
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from qmq.protocol.errors import ErrorCode
-
-if TYPE_CHECKING:
-    from qmq.client.messages import SendResult
 
 
 class ClientError(Exception):
@@ -26,14 +22,6 @@ class MetaUnreachable(ClientError):
 
 class NoRoute(ClientError):
     """No broker group carries the subject (none registered, or every one is unavailable)."""
-
-
-class SendError(ClientError):
-    """A message was rejected, or no broker group accepted it. `result` says which and why."""
-
-    def __init__(self, result: SendResult) -> None:
-        super().__init__(f"message {result.message_id} to {result.subject} was not sent: {result.error}")
-        self.result = result
 
 
 class Refused(ValueError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from qmq.client.errors import InvalidMessage
+from qmq.client.errors import ClientError, InvalidMessage
 from qmq.ids import new_id
 from qmq.protocol import envelope
 from qmq.protocol.errors import ProtocolError
@@ -49,19 +49,17 @@ class OutgoingMessage:
             object.__setattr__(self, "deliver_at", deliver_at_ms(self.deliver_at))
 
     def to_wire(self, known_subjects: set[str] | None = None) -> dict[str, Any]:
-        """The message as BROKER_SEND carries it, its body wrapped in the envelope, checked as a broker
-        checks it (see `check_message`). `known_subjects`: subjects already found valid, to skip."""
-        return wire_message(
-            self.subject,
+        """`{"id", "subject", "payload", "key", "tags"}` as BROKER_SEND carries the message, its body
+        wrapped in the envelope, checked as a broker checks it (see `check_message`).
+        `known_subjects`: subjects already found valid, to skip."""
+        payload = envelope.encode(
             self.body,
-            key=self.key,
-            tags=self.tags,
-            headers=self.headers,
-            message_id=self.id,
+            headers=dict(self.headers) if self.headers else None,
             created_at=self.created_at,
             content_type=self.content_type,
-            known_subjects=known_subjects,
         )
+        wire = {"id": self.id, "subject": self.subject, "payload": payload, "key": self.key, "tags": list(self.tags)}
+        return check_wire(wire, known_subjects)
 
 
 class ForwardedMessage(OutgoingMessage):
@@ -112,29 +110,6 @@ def deliver_at_ms(value: datetime | int) -> int:
     raise TypeError(f"deliver_at must be an aware datetime or ms since the epoch, not {type(value).__name__}")
 
 
-def wire_message(
-    subject: str,
-    body: Any,
-    *,
-    key: str | None = None,
-    tags: Sequence[str] = (),
-    headers: Mapping[str, str] | None = None,
-    message_id: str | None = None,
-    created_at: int | None = None,
-    content_type: str | None = None,
-    known_subjects: set[str] | None = None,
-) -> dict[str, Any]:
-    """`{"id", "subject", "payload", "key", "tags"}` for BROKER_SEND; see `OutgoingMessage.to_wire`."""
-    payload = envelope.encode(
-        body,
-        headers=dict(headers) if headers else None,
-        created_at=now_ms() if created_at is None else created_at,
-        content_type=content_type,
-    )
-    wire = {"id": message_id or new_id(), "subject": subject, "payload": payload, "key": key, "tags": list(tags)}
-    return check_wire(wire, known_subjects)
-
-
 def check_wire(wire: dict[str, Any], known_subjects: set[str] | None = None) -> dict[str, Any]:
     """`wire` if a broker would store it, else `InvalidMessage` with the broker's error code; an empty
     key is sent as none, as the broker stores it."""
@@ -156,3 +131,11 @@ class SendResult:
     error_code: int | None = None
     error: str | None = None
     group: str | None = None
+
+
+class SendError(ClientError):
+    """A message was rejected, or no broker group accepted it. `result` says which and why."""
+
+    def __init__(self, result: SendResult) -> None:
+        super().__init__(f"message {result.message_id} to {result.subject} was not sent: {result.error}")
+        self.result = result

@@ -16,30 +16,26 @@ from qmq.net.common import (
     CONNECT_TIMEOUT_S,
     READ_CHUNK_BYTES,
     REQUEST_TIMEOUT_S,
-    connection_refused,
-    default_client_id,
+    ClientSide,
     fresh_copy,
-    resolve_token,
+    settle,
 )
-from qmq.protocol.connection import NEED_DATA, Connection, ErrorReply, Event, Response, Role
-from qmq.protocol.errors import ProtocolError, RemoteError
+from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import DEFAULT_LIMITS, Limits
+
+_Reply = asyncio.Future[dict[str, Any] | None]
 
 
 class AsyncConnection:
     """Open with `await AsyncConnection.open(...)`; usable as `async with`."""
 
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection, address: str
-    ) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, side: ClientSide[_Reply]) -> None:
         """Use `open()`; this only wires the parts together."""
-        self.address = address
+        self.address = side.address
         self.server_info: dict[str, Any] = {}  # the handshake reply: version, max_frame_bytes
         self._reader = reader
         self._writer = writer
-        self._conn = conn
-        self._pending: dict[int, asyncio.Future[dict[str, Any] | None]] = {}
-        self._closed: ConnectionError | None = None
+        self._side = side
         self._reader_task: asyncio.Task[None] | None = None
         self._out: list[bytes] = []  # frames waiting for the end of this loop iteration
 
@@ -59,14 +55,12 @@ class AsyncConnection:
         `OSError` when nothing listens."""
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
-        conn = Connection(
-            Role.CLIENT, limits=limits, token=resolve_token(token), client_id=client_id or default_client_id()
-        )
-        self = cls(reader, writer, conn, f"{host}:{port}")
+        self = cls(reader, writer, ClientSide(f"{host}:{port}", client_id=client_id, token=token, limits=limits))
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"qmq-reader-{self.address}")
         try:
-            request_id, data = conn.start_handshake()
-            self.server_info = await self._exchange(request_id, data, timeout) or {}
+            future: _Reply = asyncio.get_running_loop().create_future()
+            request_id, data = self._side.handshake(future)
+            self.server_info = await self._exchange(request_id, data, future, timeout) or {}
         except BaseException:
             await self.close()
             raise
@@ -74,32 +68,29 @@ class AsyncConnection:
 
     @property
     def closed(self) -> bool:
-        return self._closed is not None
+        return self._side.error is not None
 
     async def request(
         self, code: int, body: dict[str, Any] | None = None, timeout: float = REQUEST_TIMEOUT_S
     ) -> dict[str, Any]:
         """Send a request and return the reply's body ({} for an empty one)."""
-        self._check_open()
-        request_id, data = self._conn.send_request(code, body)
-        return await self._exchange(request_id, data, timeout) or {}
+        future: _Reply = asyncio.get_running_loop().create_future()
+        request_id, data = self._side.request(code, body, future)
+        return await self._exchange(request_id, data, future, timeout) or {}
 
     async def send_oneway(self, code: int, body: dict[str, Any] | None = None) -> None:
         """Send a request that gets no reply, not even an error."""
-        self._check_open()
-        _, data = self._conn.send_request(code, body, oneway=True)
+        _, data = self._side.request(code, body, None)
         self._write(data)
         await self._writer.drain()
 
     async def close(self) -> None:
         """Close the connection; requests in flight fail with ConnectionError."""
-        if self._closed is None:
-            self._closed = ConnectionError(f"connection to {self.address} was closed by this client")
+        self._lose(ConnectionError(f"connection to {self.address} was closed by this client"))
         self._writer.close()
         if self._reader_task is not None:
             self._reader_task.cancel()
             await asyncio.gather(self._reader_task, return_exceptions=True)
-        self._fail_pending(self._closed)
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
 
@@ -109,9 +100,7 @@ class AsyncConnection:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _exchange(self, request_id: int, data: bytes, timeout: float) -> dict[str, Any] | None:
-        future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
+    async def _exchange(self, request_id: int, data: bytes, future: _Reply, timeout: float) -> dict[str, Any] | None:
         try:
             self._write(data)
             async with asyncio.timeout(timeout):
@@ -120,8 +109,7 @@ class AsyncConnection:
         except TimeoutError:
             raise TimeoutError(f"no reply from {self.address} within {timeout:g} s") from None
         finally:
-            if self._pending.pop(request_id, None) is not None:  # timed out or cancelled: nobody waits
-                self._conn.abandon(request_id)
+            self._side.abandon(request_id)  # timed out or cancelled: nobody waits (else a no-op)
 
     def _write(self, data: bytes) -> None:
         """Queue a frame; frames queued in one loop iteration go out in one write (pipelined requests
@@ -135,10 +123,6 @@ class AsyncConnection:
             self._writer.write(b"".join(self._out) if len(self._out) > 1 else self._out[0])
         self._out.clear()
 
-    def _check_open(self) -> None:
-        if self._closed is not None:
-            raise ConnectionError(str(self._closed))
-
     async def _read_loop(self) -> None:
         error = ConnectionError(f"connection to {self.address} was closed by this client")
         try:
@@ -147,34 +131,19 @@ class AsyncConnection:
                 if not data:
                     error = ConnectionError(f"connection to {self.address} was closed by the server")
                     return
-                self._conn.receive_data(data)
-                while (event := self._conn.next_event()) is not NEED_DATA:
-                    self._dispatch(event)
+                for waiter, outcome in self._side.receive(data):
+                    settle(waiter, outcome)
+                if self._side.error is not None:  # the server refused the whole connection, and closes it next
+                    return
         except ProtocolError as exc:
             error = ConnectionError(f"{self.address} broke the protocol: {exc}")
         except OSError as exc:
             error = ConnectionError(f"connection to {self.address} was lost: {exc}")
         finally:
-            if self._closed is None:
-                self._closed = error
-            self._fail_pending(self._closed)
+            self._lose(error)
             self._writer.close()
 
-    def _dispatch(self, event: Event) -> None:
-        if isinstance(event, ErrorReply) and event.concerns_connection:
-            remote, self._closed = connection_refused(self.address, event)
-            self._fail_pending(remote)
-            return
-        future = self._pending.pop(event.request_id, None)
-        if future is None or future.done():
-            return
-        if isinstance(event, Response):
-            future.set_result(event.body)
-        elif isinstance(event, ErrorReply):
-            future.set_exception(RemoteError(event.code, event.message))
-
-    def _fail_pending(self, error: Exception) -> None:
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(fresh_copy(error))
+    def _lose(self, error: ConnectionError) -> None:
+        """Mark the connection dead (keeping the first reason) and fail every waiter with the reason."""
+        for waiter in self._side.lose(error):
+            settle(waiter, fresh_copy(self._side.error or error))

@@ -20,13 +20,12 @@ from qmq.net.common import (
     CONNECT_TIMEOUT_S,
     READ_CHUNK_BYTES,
     REQUEST_TIMEOUT_S,
-    connection_refused,
-    default_client_id,
+    ClientSide,
+    Outcome,
     fresh_copy,
-    resolve_token,
+    settle,
 )
-from qmq.protocol.connection import NEED_DATA, Connection, ErrorReply, Response, Role
-from qmq.protocol.errors import ProtocolError, RemoteError
+from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import DEFAULT_LIMITS, Limits
 
 READER_JOIN_TIMEOUT_S = 5.0  # close() waits this long for the reader thread to end
@@ -40,21 +39,19 @@ class BlockingConnection:
     Two locks, so that a thread blocked writing a large request never stops the reader thread from
     taking replies off the socket (which could deadlock with a server that is itself blocked
     writing): `_send_lock` keeps frames whole and in request-id order on the socket, `_state_lock`
-    guards the protocol state and the table of waiters and is only held for short, non-blocking work.
+    guards the client side (protocol state and waiters) and is only held for short, non-blocking work.
     """
 
-    def __init__(self, sock: socket.socket, conn: Connection, address: str) -> None:
+    def __init__(self, sock: socket.socket, side: ClientSide[_Reply]) -> None:
         """Use `open()`; this only wires the parts together."""
-        self.address = address
+        self.address = side.address
         self.server_info: dict[str, Any] = {}  # the handshake reply: version, max_frame_bytes
         self._sock = sock
-        self._conn = conn
+        self._side = side
         self._pid = os.getpid()
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
-        self._pending: dict[int, _Reply] = {}
-        self._closed: ConnectionError | None = None
-        self._reader = threading.Thread(target=self._read_loop, name=f"qmq-reader-{address}", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name=f"qmq-reader-{self.address}", daemon=True)
 
     @classmethod
     def open(
@@ -73,10 +70,7 @@ class BlockingConnection:
         sock = socket.create_connection((host, port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)  # the reader thread blocks in recv(); waits are bounded per request
-        conn = Connection(
-            Role.CLIENT, limits=limits, token=resolve_token(token), client_id=client_id or default_client_id()
-        )
-        self = cls(sock, conn, f"{host}:{port}")
+        self = cls(sock, ClientSide(f"{host}:{port}", client_id=client_id, token=token, limits=limits))
         self._reader.start()
         try:
             request_id, future = self._submit(handshake=True)
@@ -89,7 +83,7 @@ class BlockingConnection:
 
     @property
     def closed(self) -> bool:
-        return self._closed is not None
+        return self._side.error is not None
 
     def request(
         self, code: int, body: dict[str, Any] | None = None, timeout: float = REQUEST_TIMEOUT_S
@@ -132,14 +126,10 @@ class BlockingConnection:
         future: _Reply | None = None if oneway else Future()
         with self._send_lock:
             with self._state_lock:
-                if self._closed is not None:
-                    raise ConnectionError(str(self._closed))
                 if handshake:
-                    request_id, data = self._conn.start_handshake()
+                    request_id, data = self._side.handshake(future)
                 else:
-                    request_id, data = self._conn.send_request(code, body, oneway=oneway)
-                if future is not None:
-                    self._pending[request_id] = future
+                    request_id, data = self._side.request(code, body, future)
             try:
                 self._sock.sendall(data)
             except OSError as exc:
@@ -154,9 +144,7 @@ class BlockingConnection:
             return future.result(timeout)
         except TimeoutError:
             with self._state_lock:
-                still_waiting = self._pending.pop(request_id, None) is not None
-                if still_waiting:
-                    self._conn.abandon(request_id)
+                still_waiting = self._side.abandon(request_id)
             if not still_waiting:  # the reader (or close) took it a moment ago and is about to set it
                 return future.result()
             raise TimeoutError(f"no reply from {self.address} within {timeout:g} s") from None
@@ -165,25 +153,12 @@ class BlockingConnection:
         error = ConnectionError(f"connection to {self.address} was closed by the server")
         try:
             while data := self._sock.recv(READ_CHUNK_BYTES):
-                replies: list[tuple[_Reply, Response | ErrorReply]] = []
-                refused: ErrorReply | None = None
                 with self._state_lock:
-                    self._conn.receive_data(data)
-                    while (event := self._conn.next_event()) is not NEED_DATA:
-                        if isinstance(event, ErrorReply) and event.concerns_connection:
-                            refused = event
-                        elif isinstance(event, Response | ErrorReply):
-                            future = self._pending.pop(event.request_id, None)
-                            if future is not None:
-                                replies.append((future, event))
-                for future, event in replies:  # outside the lock: waking waiters runs no code of ours
-                    if isinstance(event, Response):
-                        future.set_result(event.body)
-                    else:
-                        future.set_exception(RemoteError(event.code, event.message))
-                if refused is not None:
-                    remote, error = connection_refused(self.address, refused)
-                    self._lose(error, remote)
+                    settled = self._side.receive(data)
+                    refused = self._side.error is not None
+                self._settle(settled)  # outside the lock: waking waiters runs no code of ours
+                if refused:  # the server refused the whole connection, and closes it next
+                    self._lose(self._side.error)
                     return
         except ProtocolError as exc:
             error = ConnectionError(f"{self.address} broke the protocol: {exc}")
@@ -191,14 +166,17 @@ class BlockingConnection:
             error = ConnectionError(f"connection to {self.address} was lost: {exc}")
         self._lose(error)
 
-    def _lose(self, error: ConnectionError, cause: Exception | None = None) -> None:
+    def _lose(self, error: ConnectionError) -> None:
         """Mark the connection dead (keeping the first reason), shut the socket down, which wakes
-        the reader thread, and fail every waiter with `cause` or the reason."""
+        the reader thread, and fail every waiter with the reason."""
         with self._state_lock:
-            if self._closed is None:
-                self._closed = error
-            pending, self._pending = self._pending, {}
+            waiters = self._side.lose(error)
+            reason = self._side.error
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        for future in pending.values():
-            future.set_exception(fresh_copy(cause or self._closed))
+        self._settle([(waiter, fresh_copy(reason)) for waiter in waiters])
+
+    @staticmethod
+    def _settle(settled: list[tuple[_Reply, Outcome]]) -> None:
+        for waiter, outcome in settled:
+            settle(waiter, outcome)
