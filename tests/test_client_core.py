@@ -1,23 +1,32 @@
-"""The client's sans-I/O core: ack prefixes with out-of-order completion and resends, pull replies to
-deliveries, dropped trackers, merging send replies, choosing and retrying groups, routes."""
+"""The client's I/O-free core: ack prefixes with out-of-order completion and resends, pull replies to
+deliveries, dropped trackers, merging send replies, choosing and retrying groups, routes; and its
+loops (route look-up, send, cancel, pull round, ack flush, nack) driven by hand, each step answered
+by the test: no socket, no thread, no event loop."""
 
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Generator
+from concurrent.futures import Future
 from datetime import UTC, datetime
+from typing import Any
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qmq.client.consuming import pull_retry_delay_s
+from qmq.client.consuming import ACK_TIMEOUT_S, SubscriptionCore, pull_retry_delay_s
+from qmq.client.core import ClientCore
 from qmq.client.deliveries import AckTracker, SubscribeOptions, SubscriptionState
-from qmq.client.errors import InvalidMessage
-from qmq.client.messages import OutgoingMessage
-from qmq.client.routes import RouteCache, parse_address, parse_route, static_route
+from qmq.client.errors import ClientError, ConnectFailed, InvalidMessage, MetaUnreachable
+from qmq.client.messages import OutgoingMessage, SendError
+from qmq.client.routes import META_TIMEOUT_S, RouteBook, RouteCache, parse_address, parse_route, static_route
 from qmq.client.sending import RETRY_DELAY_S, GroupHealth, SendJob, choose_group
+from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, WaitAll, WaitAny
 from qmq.protocol import envelope
+from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 
 KEY = ("127.0.0.1:1", "s", "g", "c")
@@ -533,3 +542,237 @@ def test_routes_parse_cache_and_static() -> None:
     for bad in ("localhost", ":1", "h:0", "h:x", "h:70000"):
         with pytest.raises(ValueError):
             parse_address(bad)
+
+
+# ---- the loops, driven by hand: each step answered by the test, no socket ----------------------------
+
+
+class HandClient(ClientCore):
+    """The client core without a driver: the test does its steps."""
+
+    def _open(self) -> None:
+        pass
+
+
+class HandSubscription(SubscriptionCore):
+    def _open(self) -> None:
+        pass
+
+
+def finish(loop: Generator[Any, Any, Any], outcome: Any = None) -> Any:
+    """Send the last outcome; the loop must end, and its result is returned."""
+    with pytest.raises(StopIteration) as end:
+        loop.send(outcome)
+    return end.value.value
+
+
+def done(result: Any) -> Future:
+    """A finished request put in flight (`Start`): its reply, or the exception it met."""
+    future: Future = Future()
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+    return future
+
+
+META = "127.0.0.1:20880"
+ROUTE_REPLY = {"subject": "s", "groups": [G1, G2]}
+
+
+def test_route_lookup_asks_the_meta_server_once_then_uses_the_cache() -> None:
+    book = RouteBook(META)
+    loop = book.lookup("s")
+    assert next(loop) == Call(META, RequestCode.META_ROUTE, {"subject": "s", "create": True}, META_TIMEOUT_S)
+    route_ = finish(loop, ROUTE_REPLY)
+    assert [g.name for g in route_.groups] == ["g1", "g2"]
+    assert finish(book.lookup("s")) is route_  # fresh: no step at all
+    assert isinstance(next(book.lookup("s", refresh=True)), Call)
+    assert finish(RouteBook(None, ["127.0.0.1:1"]).lookup("s")).groups[0].name == "127.0.0.1:1"  # static
+
+
+def test_route_lookup_falls_back_on_the_route_fetched_before() -> None:
+    book = RouteBook(META)
+    loop = book.lookup("s")
+    next(loop)
+    with pytest.raises(MetaUnreachable, match="cannot reach the meta server"):  # nothing cached yet
+        loop.send(ConnectFailed(META, "refused"))
+    loop = book.lookup("s")
+    next(loop)
+    fetched = finish(loop, ROUTE_REPLY)
+    book.invalidate(["s"])  # a send failed: ask again...
+    loop = book.lookup("s")
+    next(loop)
+    assert finish(loop, RemoteError(ErrorCode.UNAVAILABLE, "meta store down")) is fetched  # ...it cannot answer
+    assert finish(book.lookup("s")) is fetched  # and is left alone for META_RETRY_S
+    loop = book.lookup("s", refresh=True)
+    next(loop)
+    with pytest.raises(ValueError, match="not a network error"):  # anything else is not a fallback case
+        loop.send(ValueError("not a network error"))
+
+
+def test_send_loop_retries_a_failed_group_on_the_other_with_the_same_ids() -> None:
+    client = HandClient(brokers=["127.0.0.1:1", "127.0.0.1:2"])
+    messages_ = messages(20)
+    loop = client.send(messages_)
+    first = next(loop)
+    assert isinstance(first, Calls) and {c.address for c in first.calls} == {"127.0.0.1:1", "127.0.0.1:2"}
+    assert all(c.code == RequestCode.BROKER_SEND for c in first.calls)
+    lost = next(i for i, c in enumerate(first.calls) if c.address == "127.0.0.1:1")
+    outcomes = [ConnectionError("lost") if i == lost else {"stored": 1, "rejected": []} for i in range(2)]
+    again = loop.send(outcomes)
+    assert isinstance(again, Calls) and [c.address for c in again.calls] == ["127.0.0.1:2"]
+    assert again.calls[0].body == first.calls[lost].body  # the same messages, the same ids
+    results = finish(loop, [{"stored": 1, "rejected": []}])
+    assert [r.message_id for r in results] == [m.id for m in messages_]
+    assert all(r.ok and r.group == "127.0.0.1:2" for r in results)
+    assert client._health.suspect("127.0.0.1:1", time.monotonic())  # the next send goes elsewhere first
+
+
+def test_send_loop_waits_before_offering_a_message_to_a_group_that_failed_it() -> None:
+    client = HandClient(brokers=["127.0.0.1:1"])
+    loop = client.send(messages(1))
+    next(loop)
+    assert loop.send([RemoteError(ErrorCode.UNAVAILABLE, "store")]) == Sleep(RETRY_DELAY_S)
+    assert isinstance(loop.send(None), Calls)
+    [result] = finish(loop, [{"stored": 1, "rejected": []}])
+    assert result.ok
+
+
+def test_send_loop_asks_for_the_route_again_after_a_failure() -> None:
+    client = HandClient(meta=META)
+    loop = client.send(messages(4))
+    assert next(loop).code == RequestCode.META_ROUTE
+    sends = loop.send(ROUTE_REPLY)
+    assert isinstance(sends, Calls)
+    refresh = loop.send([ConnectionError("lost")] * len(sends.calls))
+    assert isinstance(refresh, Call) and refresh.code == RequestCode.META_ROUTE  # not the cached one
+    retry = loop.send(ROUTE_REPLY)
+    results = finish(loop, [{"stored": 4, "rejected": []}] * len(retry.calls))
+    assert all(r.ok for r in results)
+
+
+def test_send_one_raises_what_the_broker_rejected() -> None:
+    loop = HandClient(brokers=["127.0.0.1:1"]).send_one("s", "x")
+    next(loop)
+    with pytest.raises(SendError, match="BAD_REQUEST: no"):
+        loop.send([{"stored": 0, "rejected": [[0, ErrorCode.BAD_REQUEST, "no"]]}])
+
+
+def test_cancel_asks_every_delay_server_and_names_one_it_could_not_ask() -> None:
+    client = HandClient(brokers=["127.0.0.1:1"], delay_servers=["127.0.0.1:7", "127.0.0.1:8"])
+    loop = client.cancel(["a", "b"])
+    step = next(loop)
+    assert [(c.address, c.body) for c in step.calls] == [
+        ("127.0.0.1:7", {"ids": ["a", "b"]}),
+        ("127.0.0.1:8", {"ids": ["a", "b"]}),
+    ]
+    assert finish(loop, [{"outcomes": ["unknown", "too_late"]}, {"outcomes": ["cancelled", "unknown"]}]) == {
+        "a": "cancelled",
+        "b": "too_late",
+    }
+    loop = client.cancel(["a"])
+    next(loop)
+    with pytest.raises(ClientError, match=r"127\.0\.0\.1:8"):
+        loop.send([{"outcomes": ["unknown"]}, ConnectionError("lost")])
+
+
+def subscribed(*addresses: str) -> HandSubscription:
+    """A subscription registered with every broker of a static route (the registration's pulls came
+    back empty)."""
+    client = HandClient(brokers=list(addresses))
+    subscription = HandSubscription(client, SubscribeOptions("order.created", "billing", "c1"))
+    loop = subscription._register()
+    assert next(loop) == GetRoute("order.created")
+    starts = [loop.send(finish(client.route("order.created")))]
+    starts += [loop.send(done({"batches": []})) for _ in addresses[1:]]
+    assert all(isinstance(s, Start) and s.call.body["wait_ms"] == 0 for s in starts)
+    assert isinstance(loop.send(done({"batches": []})), WaitAll)
+    finish(loop)
+    return subscription
+
+
+def pull_now(subscription: HandSubscription, ids: list[str]) -> list[Any]:
+    """A pull without waiting from a subscription of one broker, whose reply holds `ids`."""
+    loop = subscription.pull(10, 0)
+    assert isinstance(next(loop), Start)
+    assert isinstance(loop.send(done({"batches": [batch("order.created", 0, ids)]})), WaitAll)
+    return finish(loop)
+
+
+def test_pull_round_returns_the_first_group_with_messages_and_leaves_the_other_in_flight() -> None:
+    subscription = subscribed(A, B)
+    loop = subscription.pull(10, 2.0)
+    starts = [next(loop)]
+    a_reply, b_reply = Future(), Future()
+    starts.append(loop.send(a_reply))
+    assert [s.call.address for s in starts] == [A, B] and starts[0].call.body["max"] == 10
+    wait = loop.send(b_reply)
+    assert isinstance(wait, WaitAny) and wait.handles == [a_reply, b_reply] and 0 < wait.timeout_s <= 2.0
+    b_reply.set_result({"batches": [batch("order.created", 0, ["m1", "m2"])]})
+    deliveries = finish(loop)
+    assert [(d.id, d.broker) for d in deliveries] == [("m1", B), ("m2", B)]
+    # A's pull is still in flight: the next round waits on it without pulling A again.
+    loop = subscription.pull(10, 2.0)
+    start_b = next(loop)
+    assert start_b.call.address == B and start_b.call.body["pulled"] == {"order.created": 1}
+    wait = loop.send(Future())
+    assert a_reply in wait.handles
+    a_reply.set_result({"batches": [batch("order.created", 0, ["m3"])]})
+    assert [d.id for d in finish(loop)] == ["m3"]
+
+
+def test_pull_takes_buffered_deliveries_without_a_step() -> None:
+    subscription = subscribed(A)
+    assert [d.id for d in pull_now(subscription, ["m1", "m2", "m3"])] == ["m1", "m2", "m3"]
+    subscription._buffer.extend(subscription._state.accept(A, {"batches": [batch("order.created", 3, ["m4", "m5"])]}))
+    assert [d.id for d in finish(subscription.pull(1, 2.0))] == ["m4"]
+    assert [d.id for d in subscription.take_buffered()] == ["m5"]
+
+
+def test_acks_flush_as_one_request_per_broker_and_a_failure_forgets_the_tracker() -> None:
+    subscription = subscribed(A)
+    deliveries = pull_now(subscription, ["m1", "m2"])
+    assert not any(subscription._finish(d) for d in deliveries)  # not due yet: they wait for a flush
+    loop = subscription.flush()
+    step = next(loop)
+    assert step == Calls(
+        [Call(A, RequestCode.BROKER_ACK, {"acks": [["order.created", "billing", "c1", 1]]}, ACK_TIMEOUT_S)]
+    )
+    finish(loop, [ConnectionError("lost")])
+    assert not subscription._state.is_current(deliveries[0])  # the broker delivers them again
+    assert subscription._state.pull_request(A, 10, 0)["pulled"] == {}
+    assert finish(subscription.flush()) is None  # nothing left to send: no step
+
+
+def test_a_refused_subscription_raises_and_a_lost_broker_rests() -> None:
+    subscription = subscribed(A)
+    loop = subscription.pull(10, 0)
+    next(loop)
+    loop.send(done(RemoteError(ErrorCode.BAD_REQUEST, "bad group")))
+    with pytest.raises(ClientError, match="refused to serve"):
+        loop.send(None)
+    loop = subscription.pull(10, 5.0)
+    step = next(loop)
+    for _ in range(2):
+        assert isinstance(step, Start)
+        handle: Future = Future()
+        assert isinstance(loop.send(handle), WaitAny)
+        handle.set_exception(ConnectionError("lost"))
+        step = loop.send(None)  # the first failure is retried at once (a reconnect)...
+    # ...after the second the broker is left alone a while: with no pull in flight the round sleeps.
+    assert isinstance(step, Sleep) and 0 < step.seconds <= pull_retry_delay_s(2)
+
+
+def test_nack_returns_the_brokers_outcome_or_none_when_it_cannot_be_made() -> None:
+    subscription = subscribed(A)
+    d1, d2 = pull_now(subscription, ["m1", "m2"])
+    loop = subscription.nack(d1, 1.5, reason="boom")
+    step = next(loop)
+    assert step.code == RequestCode.BROKER_NACK and step.body["nacks"][0]["delay_ms"] == 1500
+    assert finish(loop, {"outcomes": [["retry", 123]]}) == ("retry", 123)
+    loop = subscription.nack(d2)
+    next(loop)
+    assert finish(loop, TimeoutError("slow")) is None
+    assert not subscription._state.is_current(d2)  # forgotten: the broker delivers it again
+    assert finish(subscription.nack(d2)) is None  # a stale delivery is not nacked at all
