@@ -261,7 +261,7 @@ class SubscriptionCore:
         out (`flush`)."""
         with self._lock:
             self._state.done(delivery)
-        return self._flush_due()
+        return time.monotonic() - self._last_flush >= ACK_FLUSH_INTERVAL_S  # _flush_due(), inline: per message
 
     def _flush_due(self) -> bool:
         return time.monotonic() - self._last_flush >= ACK_FLUSH_INTERVAL_S
