@@ -1,10 +1,9 @@
 """The errors a qmq client raises, and how it names a broker's error codes.
 
 `ClientError` and its kinds say what a caller cannot work around (`SendError` stands beside the
-`SendResult` it carries, in `qmq.client.messages`). `InvalidMessage` and
-`InvalidSubscription` are refusals made before anything is sent: they carry the `ErrorCode` a broker
-would have answered, because the client checks with the broker's own functions
-(`qmq.protocol.limits`).
+`SendResult` it carries, in `qmq.client.messages`). `InvalidMessage` and `InvalidSubscription` are
+refusals made before anything is sent: they carry the `ErrorCode` a broker would have answered,
+because the client checks with the broker's own functions (`qmq.protocol.limits`).
 """
 
 from __future__ import annotations
