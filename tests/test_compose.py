@@ -28,10 +28,20 @@ from qmq.db.engine import create_engine
 from qmq.demo.run import CRASHING_SHOP
 from qmq.demo.shop import emails, invoices, metadata, order_placer, timeouts
 from tests.support.broker import ROOT
-from tests.support.compose import Cluster, compose_cluster, docker_daemon, machine_lock, run, wait_until
+from tests.support.compose import (
+    TEST_TIMEOUT_S,
+    Cluster,
+    compose_cluster,
+    docker_daemon,
+    machine_lock,
+    run,
+    wait_until,
+)
 
 COMPOSE = ROOT / "docker-compose.yml"
 LOCAL = ROOT / "scripts" / "docker" / "local.yml"
+
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 SERVICES = {"postgres", "redis", "meta", "broker-a", "broker-b", "delay", "relay", "worker", "reconcile"}
 LONG_RUNNING = SERVICES - {"reconcile"}
 

@@ -36,13 +36,16 @@ COMPOSE_FILES = (ROOT / "docker-compose.yml", ROOT / "scripts" / "docker" / "loc
 BASE_SCRIPT = ROOT / "scripts" / "docker-base.sh"
 LOCK_PATH = Path(tempfile.gettempdir()) / "qmq-compose-test.lock"
 
-LOCK_TIMEOUT_S = 1800  # another compose test on this machine may hold the daemon this long
+LOCK_TIMEOUT_S = 900  # another compose test on this machine may hold the daemon this long
 DAEMON_START_TIMEOUT_S = 60
 DAEMON_STOP_TIMEOUT_S = 60
-BUILD_TIMEOUT_S = 1800  # a cold build: debootstrap, Java, PySpark from PyPI
+BASE_TIMEOUT_S = 600  # debootstrap: 1-2 minutes here
+BUILD_TIMEOUT_S = 1200  # a cold build of the images: Java, PySpark from PyPI; 2-3 minutes here
 UP_TIMEOUT_S = 300  # `up -d` waits for the healthchecks its depends_on name
 HEALTHY_DEADLINE_S = 180
 COMMAND_TIMEOUT_S = 300
+# pytest-timeout's limit for the compose tests: the first one to use the cluster pays for the start.
+TEST_TIMEOUT_S = LOCK_TIMEOUT_S + BASE_TIMEOUT_S + BUILD_TIMEOUT_S + UP_TIMEOUT_S + HEALTHY_DEADLINE_S
 POLL_S = 0.5  # polling another process's state (a container's health): no event to await from here
 
 # Host ports the cluster publishes, as docker-compose.yml reads them.
@@ -222,7 +225,7 @@ class Cluster:
 def build_images(cluster: Cluster) -> None:
     """The local base image (debootstrap, once per machine), then PostgreSQL's, Redis's and qmq's."""
     started = time.monotonic()
-    base = run(["bash", str(BASE_SCRIPT)], timeout=BUILD_TIMEOUT_S, cwd=ROOT)
+    base = run(["bash", str(BASE_SCRIPT)], timeout=BASE_TIMEOUT_S, cwd=ROOT)
     cluster.timings["base image"] = time.monotonic() - started
     if base.returncode != 0:
         fail(f"scripts/docker-base.sh failed:\n{base.stdout[-2000:]}\n{base.stderr[-3000:]}")
