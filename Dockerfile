@@ -1,22 +1,37 @@
 # One image for every qmq service of docker-compose.yml: meta server, brokers, delay server, relay,
 # workers and the nightly reconciliation (Java and the PostgreSQL JDBC driver are for Spark).
-FROM python:3.11-slim-bookworm
+#
+# BASE_IMAGE: any Debian 12 image with Python 3.11 and its venv module. The default is the official
+# one; machines without an image registry build qmq-base:bookworm from Debian's packages instead
+# (scripts/docker-base.sh) and pass it: tests/compose/docker-compose.local.yml.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
 
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       openjdk-17-jre-headless libpostgresql-jdbc-java procps \
  && rm -rf /var/lib/apt/lists/*
 
+# qmq lives in its own virtualenv (Debian's Python refuses `pip install` outside one: PEP 668); its
+# bin/ comes first on PATH, so `qmq` and `python` are the venv's in both kinds of base image.
+ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv "$VIRTUAL_ENV" && pip install --no-cache-dir "setuptools>=68" wheel
+
 WORKDIR /opt/qmq
+# Dependencies first, from pyproject.toml alone (empty packages stand in for the code), so that a
+# change to the code rebuilds only the last, small layer.
 COPY pyproject.toml README.md ./
+RUN mkdir -p qmq worker delay_server spark_etl migrations \
+ && touch qmq/__init__.py worker/__init__.py delay_server/__init__.py spark_etl/__init__.py migrations/__init__.py \
+ && pip install --no-cache-dir --no-build-isolation ".[spark,django,flask,celery]" "psycopg[binary]>=3.1,<4" "redis>=5,<7" \
+ && pip uninstall -y qmq && rm -rf qmq worker delay_server spark_etl migrations build
 COPY qmq ./qmq
 COPY worker ./worker
 COPY delay_server ./delay_server
 COPY spark_etl ./spark_etl
 COPY migrations ./migrations
-RUN pip install --no-cache-dir ".[spark,django,flask,celery]" "psycopg[binary]>=3.1,<4" "redis>=5,<7"
+RUN pip install --no-cache-dir --no-build-isolation --no-deps . && rm -rf build
 
-# Servers bind 127.0.0.1 by default; in a container they must listen on every interface.
-ENV PYTHONUNBUFFERED=1
+# Servers bind 127.0.0.1 by default; docker-compose.yml passes --host 0.0.0.0.
 ENTRYPOINT ["qmq"]
 CMD ["--help"]

@@ -49,6 +49,7 @@ async def serve_delay_server(
     meta: str | None = None,
     brokers: Sequence[str] = (),
     advertise: str | None = None,
+    advertise_external: str | None = None,
     token: str | None = None,
     metrics_port: int | None = None,
     max_delay_s: float = DEFAULT_MAX_DELAY_S,
@@ -90,7 +91,9 @@ async def serve_delay_server(
         scheduler.start()
         membership = None
         if meta:
-            membership = Membership(meta, kind="delay", group=None, address=address, token=token)
+            membership = Membership(
+                meta, kind="delay", group=None, address=address, external_address=advertise_external, token=token
+            )
             membership.start()
         log.info(
             "delay server ready on %s in %.2f s (data %s, %d-minute buckets, delivering via %s%s)",

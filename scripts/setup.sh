@@ -97,9 +97,16 @@ if [ -z "${QMQ_REDIS_URL:-}" ] && ! port_open 127.0.0.1 "$REDIS_PORT"; then
     redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save "" --appendonly no >/dev/null
     wait_port 127.0.0.1 "$REDIS_PORT" || die "Redis did not come up on 127.0.0.1:$REDIS_PORT"
 fi
-# --- tools the tests use: Debian's docker-compose (tests/test_compose.py) ------------------------
+# --- the compose cluster's test (tests/test_compose.py): Debian's docker.io (dockerd, which the test
+# starts when no daemon runs), docker-compose, and debootstrap for the local base image -----------------
 if ! command -v docker-compose >/dev/null; then
     apt_install docker-compose || die "docker-compose is missing and cannot be installed here: install Debian's docker-compose package"
+fi
+if ! command -v dockerd >/dev/null; then
+    apt_install docker.io || die "dockerd is missing and cannot be installed here: install Debian's docker.io package"
+fi
+if ! command -v debootstrap >/dev/null; then
+    apt_install debootstrap || die "debootstrap is missing and cannot be installed here: install Debian's debootstrap package"
 fi
 # --- the reconciliation's Spark: Java 17+ and Debian's PostgreSQL JDBC driver (tests/test_reconcile*.py) ------
 if ! command -v java >/dev/null; then

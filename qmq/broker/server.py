@@ -32,6 +32,7 @@ async def serve_broker(
     meta: str | None = None,
     group: str | None = None,
     advertise: str | None = None,
+    advertise_external: str | None = None,
     flush: str = "sync",
     token: str | None = None,
     metrics_port: int | None = None,
@@ -62,6 +63,7 @@ async def serve_broker(
                 kind="broker",
                 group=service.group_name,
                 address=address,
+                external_address=advertise_external,
                 token=token,
                 on_read_only=lambda ro: _set_read_only(service, ro),
             )

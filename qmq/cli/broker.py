@@ -11,6 +11,14 @@ from qmq.broker.service import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.net.common import TOKEN_ENV
 from qmq.store.store import StoreError
 
+# Shared with `qmq delay-server`.
+ADVERTISE_EXTERNAL = click.option(
+    "--advertise-external",
+    default=None,
+    help="host:port clients outside the servers' network should use (the meta server's external listener "
+    "hands it out; docs/meta.md) [default: the --advertise address]",
+)
+
 
 @click.command("broker")
 @click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="the broker's store directory")
@@ -19,6 +27,7 @@ from qmq.store.store import StoreError
 @click.option("--meta", envvar="QMQ_META", default=None, help="meta server host:port [env QMQ_META]; none: serve alone")
 @click.option("--group", default=None, help="broker group name [default: broker-PORT]")
 @click.option("--advertise", default=None, help="host:port clients should use [default: HOST:PORT]")
+@ADVERTISE_EXTERNAL
 @click.option(
     "--flush",
     type=click.Choice(["sync", "async"]),
@@ -50,6 +59,7 @@ def broker(
     meta: str | None,
     group: str | None,
     advertise: str | None,
+    advertise_external: str | None,
     flush: str,
     token: str | None,
     metrics_port: int | None,
@@ -67,6 +77,7 @@ def broker(
             meta=meta,
             group=group,
             advertise=advertise,
+            advertise_external=advertise_external,
             flush=flush,
             token=token or None,
             metrics_port=metrics_port,

@@ -11,6 +11,7 @@ from delay_server.schedule_log import BUCKET_MINUTES, DEFAULT_BUCKET_MINUTES, Sc
 from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S
 from delay_server.server import DEFAULT_HOST, DEFAULT_PORT, run
 from delay_server.service import DEFAULT_MAX_DELAY_S
+from qmq.cli.broker import ADVERTISE_EXTERNAL
 from qmq.net.common import TOKEN_ENV
 from qmq.store.store import StoreError
 
@@ -36,6 +37,7 @@ DAY_S = 86400
     help="deliver to this broker directly, without a meta server (repeat for several)",
 )
 @click.option("--advertise", default=None, help="host:port clients should use [default: HOST:PORT]")
+@ADVERTISE_EXTERNAL
 @click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token clients must present [env {TOKEN_ENV}]")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="serve Prometheus metrics here")
 @click.option(
@@ -84,6 +86,7 @@ def delay_server(
     meta: str | None,
     brokers: tuple[str, ...],
     advertise: str | None,
+    advertise_external: str | None,
     token: str | None,
     metrics_port: int | None,
     max_delay: float,
@@ -107,6 +110,7 @@ def delay_server(
             meta=meta,
             brokers=brokers,
             advertise=advertise,
+            advertise_external=advertise_external,
             token=token or None,
             metrics_port=metrics_port,
             max_delay_s=max_delay * DAY_S,

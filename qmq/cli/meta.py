@@ -17,6 +17,13 @@ from qmq.net.common import TOKEN_ENV
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="address to listen on")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
 @click.option(
+    "--external-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="a second listener, for clients outside the servers' network: its replies name the addresses "
+    "servers advertise with --advertise-external (docs/meta.md)",
+)
+@click.option(
     "--db",
     "db_url",
     envvar=DB_URL_ENV,
@@ -36,6 +43,7 @@ from qmq.net.common import TOKEN_ENV
 def meta(
     host: str,
     port: int,
+    external_port: int | None,
     db_url: str | None,
     token: str | None,
     metrics_port: int | None,
@@ -51,6 +59,7 @@ def meta(
             url,
             host=host,
             port=port,
+            external_port=external_port,
             token=token or None,
             heartbeat_timeout_s=heartbeat_timeout,
             metrics_port=metrics_port,

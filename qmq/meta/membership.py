@@ -38,6 +38,7 @@ class Membership:
         kind: str,
         group: str | None,
         address: str,
+        external_address: str | None = None,
         token: str | None = None,
         on_read_only: Callable[[bool], None] | None = None,
     ) -> None:
@@ -45,6 +46,7 @@ class Membership:
         self.kind = kind
         self.group = group
         self.address = address
+        self.external_address = external_address  # for clients outside the network (qmq.meta.listeners)
         self.token = token
         self.on_read_only = on_read_only or (lambda read_only: None)
         self.registered = asyncio.Event()
@@ -64,6 +66,8 @@ class Membership:
 
     async def _run(self) -> None:
         body = {"kind": self.kind, "group": self.group, "address": self.address}
+        if self.external_address:
+            body["external_address"] = self.external_address
         failures = 0
         code = RequestCode.META_REGISTER
         while True:

@@ -61,10 +61,16 @@ class ServerState:
     registered_at: datetime
     last_heartbeat_at: datetime
     unregistered_at: datetime | None
+    external_address: str | None = None  # for clients outside the servers' network
+
+    @property
+    def outside_address(self) -> str:
+        return self.external_address or self.address
 
     def to_wire(self, now: datetime) -> dict[str, Any]:
         return {
             "address": self.address,
+            "external_address": self.outside_address,
             "kind": self.kind,
             "group": self.group,
             "available": self.available,
@@ -82,6 +88,7 @@ class GroupState:
     available: bool
     addresses: tuple[str, ...]  # live servers; every known server when none is live
     subjects: int  # how many subjects are routed to the group
+    external_addresses: tuple[str, ...] = ()  # the same servers, for clients outside their network
 
     @property
     def writable(self) -> bool:
@@ -91,6 +98,7 @@ class GroupState:
         return {
             "name": self.name,
             "addresses": list(self.addresses),
+            "external_addresses": list(self.external_addresses),
             "available": self.available,
             "read_only": self.read_only,
         }
@@ -121,7 +129,10 @@ class Route:
         return {
             "subject": self.subject,
             "groups": [g.to_wire() for g in self.groups],
-            "delay_servers": [{"address": s.address, "available": s.available} for s in self.delay_servers],
+            "delay_servers": [
+                {"address": s.address, "external_address": s.outside_address, "available": s.available}
+                for s in self.delay_servers
+            ],
         }
 
 
@@ -150,10 +161,13 @@ class Registry:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def heartbeat(self, address: str, kind: Kind, group: str | None) -> Registration:
+    def heartbeat(
+        self, address: str, kind: Kind, group: str | None, external_address: str | None = None
+    ) -> Registration:
         """Record a registration or heartbeat of the server at `address` (a heartbeat from an unknown
         server registers it). Brokers name their `group`, which is created on first sight; delay
-        servers belong to no group."""
+        servers belong to no group. `external_address` is where clients outside the servers' network
+        reach it (None: at `address`); each heartbeat sets it anew."""
         if kind == "broker" and not group:
             raise ValueError("a broker must name its group")
         group = group if kind == "broker" else None
@@ -174,7 +188,12 @@ class Registry:
             if old is None:
                 conn.execute(
                     schema.server.insert().values(
-                        address=address, kind=kind, group_name=group, registered_at=now, last_heartbeat_at=now
+                        address=address,
+                        external_address=external_address,
+                        kind=kind,
+                        group_name=group,
+                        registered_at=now,
+                        last_heartbeat_at=now,
                     )
                 )
                 event: str | None = "registered"
@@ -186,6 +205,7 @@ class Registry:
                 else:
                     event = None
                 values: dict[str, Any] = {
+                    "external_address": external_address,
                     "kind": kind,
                     "group_name": group,
                     "last_heartbeat_at": now,
@@ -304,6 +324,7 @@ class Registry:
                 registered_at=as_utc(row.registered_at),
                 last_heartbeat_at=as_utc(row.last_heartbeat_at),
                 unregistered_at=as_utc(row.unregistered_at) if row.unregistered_at is not None else None,
+                external_address=row.external_address,
             )
             for row in rows
         ]
@@ -318,13 +339,15 @@ class Registry:
         result: dict[str, GroupState] = {}
         for row in conn.execute(sa.select(schema.group).order_by(schema.group.c.name)).all():
             members = [s for s in servers if s.group == row.name]
-            live = tuple(s.address for s in members if s.available)
+            live = [s for s in members if s.available]
+            listed = live or members
             result[row.name] = GroupState(
                 name=row.name,
                 read_only=bool(row.read_only),
                 available=bool(live),
-                addresses=live or tuple(s.address for s in members),
+                addresses=tuple(s.address for s in listed),
                 subjects=int(counts.get(row.name, 0)),
+                external_addresses=tuple(s.outside_address for s in listed),
             )
         return result
 

@@ -37,6 +37,9 @@ server = sa.Table(
     sa.Column("last_heartbeat_at", sa.DateTime(timezone=True), nullable=False),
     # Set by a clean shutdown (META_UNREGISTER): unavailable at once; cleared by the next heartbeat.
     sa.Column("unregistered_at", sa.DateTime(timezone=True), nullable=True),
+    # The address for clients outside the servers' network (the meta server's external listener,
+    # docs/meta.md); NULL: the same as `address`.
+    sa.Column("external_address", sa.String(ADDRESS_LEN), nullable=True),
     sa.CheckConstraint("kind IN ('broker', 'delay')", name="ck_qmq_meta_server_kind"),
 )
 sa.Index("ix_qmq_meta_server_group_name", server.c.group_name)

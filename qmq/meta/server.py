@@ -21,6 +21,7 @@ from prometheus_client import Counter, Gauge
 from qmq import metrics
 from qmq.db.engine import create_engine, safe_url
 from qmq.db.migrate import upgrade
+from qmq.meta.listeners import external_view, internal_view, viewed
 from qmq.meta.registry import (
     HEARTBEAT_INTERVAL_S,
     UNAVAILABLE_AFTER_S,
@@ -150,8 +151,9 @@ class MetaService:
         if kind not in KINDS:
             raise _bad(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         address = _address(body.get("address"))
+        external = _address(body["external_address"]) if body.get("external_address") is not None else None
         group = _group_name(body.get("group")) if kind == "broker" else None
-        reg = await self._db(self.registry.heartbeat, address, _kind(kind), group)
+        reg = await self._db(self.registry.heartbeat, address, _kind(kind), group, external)
         if reg.group_created:
             log.info("group %s created", reg.group)
         if reg.event is not None:
@@ -280,13 +282,15 @@ async def serve_meta(
     *,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
+    external_port: int | None = None,
     token: str | None = None,
     heartbeat_timeout_s: float = UNAVAILABLE_AFTER_S,
     metrics_port: int | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
     """Migrate the database, serve until `stop` is set (or SIGTERM/SIGINT when `stop` is None), then
-    close every connection and the engine."""
+    close every connection and the engine. With `external_port`, a second listener on `host` serves
+    clients outside the servers' network (qmq.meta.listeners)."""
     revision = await asyncio.to_thread(upgrade, db_url)
     engine = create_engine(db_url)
     log.info("database %s at revision %s", safe_url(engine), revision)
@@ -296,8 +300,13 @@ async def serve_meta(
     if metrics_port is not None:
         metrics_port = metrics.serve(REGISTRY, host, metrics_port)
         log.info("metrics on http://%s:%d/metrics", host, metrics_port)
-    server = Server(service.handle, host=host, port=port, token=token)
+    server = Server(viewed(service.handle, internal_view), host=host, port=port, token=token)
     await server.start()
+    servers = [server]
+    if external_port is not None:
+        servers.append(Server(viewed(service.handle, external_view), host=host, port=external_port, token=token))
+        await servers[-1].start()
+        log.info("external listener on %s:%d (replies name external addresses)", host, servers[-1].port)
     log.info(
         "meta server ready on %s:%d (heartbeat every %d s, unavailable after %g s)",
         host,
@@ -313,7 +322,8 @@ async def serve_meta(
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
-        await server.close()
+        for listener in servers:
+            await listener.close()
         await asyncio.to_thread(engine.dispose)
     log.info("meta server stopped")
 

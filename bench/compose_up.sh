@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Wall time of `docker-compose up -d --build` on the local images (scripts/docker/local.yml), until
+# every long-running service is healthy, then `down -v`. Needs a running Docker daemon.
+#   bash bench/compose_up.sh            # warm: the images exist (build from cache)
+#   bash bench/compose_up.sh --cold     # cold: qmq's, PostgreSQL's and Redis's images removed first
+#   bash bench/compose_up.sh --cold-base  # colder: the debootstrapped base image too
+# Host ports 3xxxx are used so that a running `qmq dev` or a local PostgreSQL is not in the way.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROJECT=qmqbench
+COMPOSE=(docker-compose -p "$PROJECT" -f docker-compose.yml -f scripts/docker/local.yml)
+SERVICES=(postgres redis meta broker-a broker-b delay relay worker)
+export QMQ_HOST_PORT_META=30880 QMQ_HOST_PORT_BROKER_A=30881 QMQ_HOST_PORT_BROKER_B=30882
+export QMQ_HOST_PORT_DELAY=30890 QMQ_HOST_PORT_POSTGRES=35433 QMQ_HOST_PORT_REDIS=36380
+export QMQ_COMPOSE_NETWORK=$PROJECT-net
+
+mode=${1:-warm}
+if [ "$mode" = --cold ] || [ "$mode" = --cold-base ]; then
+    docker rmi -f qmq:dev qmq-postgres:local qmq-redis:local >/dev/null 2>&1 || true
+    [ "$mode" = --cold-base ] && { docker rmi -f qmq-base:bookworm >/dev/null 2>&1 || true; }
+    docker image prune -f --filter label=qmq.recipe >/dev/null
+fi
+trap '"${COMPOSE[@]}" down -v >/dev/null 2>&1 || true' EXIT
+
+healthy() {
+    local ids
+    ids=$("${COMPOSE[@]}" ps -q "${SERVICES[@]}" 2>/dev/null) || return 1
+    [ "$(echo "$ids" | wc -w)" = "${#SERVICES[@]}" ] || return 1
+    [ -z "$(docker inspect -f '{{.State.Health.Status}}' $ids | grep -v '^healthy$')" ]
+}
+
+start=$(date +%s.%N)
+if [ "$mode" = --cold-base ]; then
+    bash scripts/docker-base.sh >/dev/null
+fi
+base_done=$(date +%s.%N)
+"${COMPOSE[@]}" up -d --build >/dev/null 2>&1
+up_done=$(date +%s.%N)
+until healthy; do sleep 0.5; done  # polling containers' health: nothing to await from outside
+end=$(date +%s.%N)
+awk -v m="$mode" -v s="$start" -v b="$base_done" -v u="$up_done" -v e="$end" 'BEGIN {
+    printf "%s: base image %.1f s, up -d --build %.1f s, all healthy %.1f s after the start\n", m, b - s, u - b, e - s }'
