@@ -15,7 +15,8 @@ from itertools import accumulate
 from pathlib import Path
 
 from qmq.store import record as rec
-from qmq.store.segment import Segment, fsync_dir, list_segments
+from qmq.store.files import fsync_dir
+from qmq.store.segment import Segment, list_segments
 
 log = logging.getLogger("qmq.store")
 

@@ -14,7 +14,6 @@ Layout of a data directory (docs/formats.md):
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -30,11 +29,11 @@ from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subjec
 from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
 from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, Entry, pack_entry
+from qmq.store.files import fsync_dir, read_json, write_json
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
-from qmq.store.segment import fsync_dir
 
 log = logging.getLogger("qmq.store")
 
@@ -577,14 +576,12 @@ def _fixed_format(data_dir: Path, config: StoreConfig) -> StoreConfig:
     """Settings that decide where bytes live cannot change after a store is created: keep the first
     ones in `store.json` and use them on every later open."""
     path = data_dir / FORMAT_FILE
-    if path.exists():
-        saved = json.loads(path.read_text())
+    saved = read_json(path)
+    if saved is not None:
         if saved.get("format") != FORMAT_VERSION:
             raise StoreError(f"{path}: store format {saved.get('format')} is not {FORMAT_VERSION}")
         return replace(config, consume_segment_entries=saved["consume_segment_entries"])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT_VERSION, "consume_segment_entries": config.consume_segment_entries}))
-    os.replace(tmp, path)
+    write_json(path, {"format": FORMAT_VERSION, "consume_segment_entries": config.consume_segment_entries})
     return config
 
 
