@@ -19,7 +19,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -93,7 +93,13 @@ class ReadResult:
 
 
 class LogStore:
-    """Open with `LogStore(data_dir, config)`; close with `close()` (or use as a context manager)."""
+    """Open with `LogStore(data_dir, config)`; close with `close()` (or use as a context manager).
+
+    What servers use, and all they use: `append` (with `GroupCommit` in group_commit.py on an event
+    loop), `durable` / `flushed` / `durable_offset`; per subject `read`, `records`, `entries`,
+    `next_seq`, `first_seq`, `subjects`; by id or key `find_by_id`, `find_by_key`; the message log as
+    such `start_offset`, `end_offset`, `read_bytes`, `scan`, `read_record`. `message_log`, `flusher`
+    and `index` are the store's own parts (its tests look at them)."""
 
     def __init__(self, data_dir: str | os.PathLike, config: StoreConfig | None = None) -> None:
         self.data_dir = Path(data_dir)
@@ -341,11 +347,43 @@ class LogStore:
     def wait_durable(self, offset: int, timeout: float | None = None) -> None:
         self.flusher.wait_durable(offset, timeout)
 
+    @property
+    def durable_offset(self) -> int:
+        """Everything before this message-log offset is on disk."""
+        return self.flusher.durable_offset
+
     async def durable(self, offset: int) -> None:
+        """Await what an acknowledgement needs for everything before `offset`: its fsync in sync
+        flush mode; nothing in async mode (the next periodic flush covers it)."""
         if self.config.flush is FlushMode.SYNC:
             await self.flusher.durable(offset)
 
+    async def flushed(self, offset: int) -> None:
+        """Await the fsync of everything before `offset`, whatever the flush mode: for state saved
+        beside the log (a snapshot) that must never get ahead of it."""
+        await self.flusher.durable(offset)
+
     # ---- reading ----------------------------------------------------------------------------
+
+    @property
+    def start_offset(self) -> int:
+        """The message log's first offset still held (retention removes whole segments)."""
+        return self.message_log.start_offset
+
+    def read_bytes(self, start: int, end: int) -> bytes:
+        """The message log's bytes from `start` to `end` (record boundaries): records exactly as
+        stored, CRCs included, for copies that must stay byte for byte the same."""
+        return self.message_log.read_bytes(start, end)
+
+    @property
+    def end_offset(self) -> int:
+        """The message log's end: the offset the next record gets."""
+        return self.message_log.end_offset
+
+    def scan(self, start: int) -> Iterator[rec.Record]:
+        """Every record of the message log from offset `start` (a record boundary) to its end, in
+        log order, CRC-checked (`RecordError` at the first bad one)."""
+        return self.message_log.scan(max(start, self.message_log.start_offset))
 
     def subjects(self) -> dict[str, int]:
         """Each subject's next sequence (= number of messages ever stored in it)."""
@@ -417,6 +455,17 @@ class LogStore:
 
     def read_record(self, offset: int) -> rec.Record:
         return self.message_log.read_record(offset)
+
+    def records(self, subject: str, seqs: Sequence[int]) -> list[rec.Record]:
+        """The records of `subject` at consume-log sequences `seqs`, in that order, leaving out those
+        retention removed and holes."""
+        spans = []
+        start = self.message_log.start_offset
+        for seq in seqs:
+            entries = self.entries(subject, seq, 1)
+            if entries and entries[0] is not None and entries[0].offset >= start:
+                spans.append((entries[0].offset, entries[0].size))
+        return [r for r in self.message_log.read_records(spans) if not r.is_blank]
 
     def find_by_id(self, message_id: str) -> rec.Record | None:
         """The record with this message id, or None; a bounded number of reads (index.py)."""
