@@ -204,9 +204,9 @@ class DelayService(Service):
     async def _cancel(self, body: dict[str, Any]) -> dict[str, Any]:
         ids = field(body, "ids", list, what="a list of message ids")
         if not all(isinstance(i, str) and 0 < len(i.encode()) <= MAX_MESSAGE_ID_LEN for i in ids):
-            raise bad(f"'ids' must be a list of message ids (strings of 1-{MAX_MESSAGE_ID_LEN} bytes)")
+            raise bad(f"field 'ids' must be a list of message ids (strings of 1-{MAX_MESSAGE_ID_LEN} bytes)")
         if len(ids) > MAX_CANCEL_IDS:
-            raise bad(f"at most {MAX_CANCEL_IDS} ids per request")
+            raise bad(f"field 'ids' holds {len(ids)} ids, at most {MAX_CANCEL_IDS} are taken per request")
         self._check_healthy()
         now = self.clock.now_ms()
         outcomes, batch = [], []

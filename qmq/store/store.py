@@ -292,13 +292,17 @@ class LogStore:
                 raise StoreError(f"bad message in batch: {exc}") from exc
             try:
                 self.message_log.append(encoded)  # offsets are continuous across segments: as computed
+                for subject, (first, entries) in runs.items():
+                    self._consume_log(subject).write(first, b"".join(entries))
+                self.index.add(index_pairs)
             except OSError as exc:  # disk full, I/O error: a partial record may be on disk
                 self._failed = exc
-                log.critical("message log append failed, the store is read-only until reopened: %s", exc)
+                log.critical(
+                    "append failed, the store is read-only until reopened (which cuts a partial record and "
+                    "derives the consume logs and index again from the message log): %s",
+                    exc,
+                )
                 raise StoreError(f"append failed: {exc}") from exc
-            for subject, (first, entries) in runs.items():
-                self._consume_log(subject).write(first, b"".join(entries))
-            self.index.add(index_pairs)
         return results
 
     def _check_writable(self) -> None:
@@ -518,7 +522,10 @@ class LogStore:
             return self._checkpointed.wait_for(lambda: self.checkpoint_offset >= offset, timeout)
 
     def checkpoint(self) -> None:
-        """Make the derived logs durable up to the current end and record it."""
+        """Make the derived logs durable up to the current end and record it. Not after a failed
+        append: the derived logs may lack its records, which the next open derives again."""
+        if self._failed is not None:
+            return
         snapshot = self._snapshot()
         self.flusher.wait_durable(snapshot[0].offset)
         self._save_checkpoint(snapshot)
@@ -576,7 +583,7 @@ class LogStore:
         if self._background is not None:
             self._background.join()
         self.flusher.close()
-        if self.flusher.error is None:
+        if self.flusher.error is None and self._failed is None:
             self._save_checkpoint(self._snapshot())
         with self._lock:
             self._close_files()
