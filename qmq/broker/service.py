@@ -60,9 +60,9 @@ class BrokerService(Service):
             store, state, consumer_timeout_s=consumer_timeout_s, max_attempts=max_attempts, limits=limits, clock=clock
         )
         self.background = BackgroundWork(self.core, state_dir)
-        sending, consuming, self.admin = Sending(self.core), Consuming(self.core), Administration(self.core)
+        self.sending, consuming, self.admin = Sending(self.core), Consuming(self.core), Administration(self.core)
         self.handlers |= {
-            RequestCode.BROKER_SEND: sending.send,
+            RequestCode.BROKER_SEND: self.sending.send,
             RequestCode.BROKER_PULL: consuming.pull,
             RequestCode.BROKER_ACK: consuming.ack,
             RequestCode.BROKER_NACK: consuming.nack,
@@ -85,8 +85,9 @@ class BrokerService(Service):
         await self.background.stop()
 
     async def close(self) -> None:
-        """Stop the background loops and write a last snapshot."""
+        """Stop the background loops, let sends cut short settle, and write a last snapshot."""
         await self.background.stop()
+        await self.sending.group_commit.close()
         await self.background.take_snapshot()
 
     def stats(self) -> dict[str, Any]:
