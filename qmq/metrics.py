@@ -65,32 +65,33 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 class RequestMetrics:
     """Per request name: `<prefix>_requests_total`, `<prefix>_request_errors_total{error}` and the
     handling time `<prefix>_request_seconds`. Plain counters read at scrape time, so the request
-    path pays no lock."""
+    path pays no lock (the request count is the histogram's)."""
 
     def __init__(self, prefix: str, server: str, registry: CollectorRegistry) -> None:
         self.prefix = prefix
         self.server = server  # "broker", "delay server", ...: in the help texts
-        self.requests: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[tuple[str, str]] = collections.Counter()
         self.latency: dict[str, Histogram] = {}
         registry.register(self)
 
     def observe(self, name: str, seconds: float) -> None:
-        self.requests[name] += 1
+        """A request `name` was answered after `seconds`: the hot path, one call per request."""
         histogram = self.latency.get(name)
         if histogram is None:
             histogram = self.latency[name] = Histogram(LATENCY_BUCKETS_S)
-        histogram.observe(seconds)
+        histogram.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        histogram.total += seconds
 
     def error(self, name: str, error: str) -> None:
         self.errors[(name, error)] += 1
 
     def collect(self) -> Iterator[Metric]:
+        latency = list(self.latency.items())
         requests = CounterMetricFamily(
             f"{self.prefix}_requests", f"Requests handled by the {self.server}", labels=["request"]
         )
-        for name, count in list(self.requests.items()):
-            requests.add_metric([name], count)
+        for name, histogram in latency:
+            requests.add_metric([name], histogram.count)
         yield requests
         errors = CounterMetricFamily(
             f"{self.prefix}_request_errors", "Requests answered with an error frame", labels=["request", "error"]
@@ -98,9 +99,9 @@ class RequestMetrics:
         for (name, error), count in list(self.errors.items()):
             errors.add_metric([name, error], count)
         yield errors
-        latency = HistogramMetricFamily(
+        seconds = HistogramMetricFamily(
             f"{self.prefix}_request_seconds", "Time from a request's arrival to its answer", labels=["request"]
         )
-        for name, histogram in list(self.latency.items()):
-            latency.add_metric([name], histogram.buckets(), histogram.total)
-        yield latency
+        for name, histogram in latency:
+            seconds.add_metric([name], histogram.buckets(), histogram.total)
+        yield seconds
