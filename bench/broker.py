@@ -7,11 +7,15 @@ in this process, both on this machine (so they share its cores).
     .venv/bin/python bench/broker.py consume         # one group, batched pulls and prefix acks
     .venv/bin/python bench/broker.py latency         # send to receipt at 1,000 msg/s: p50/p99
     .venv/bin/python bench/broker.py client          # produce and consume through qmq.client (async, blocking)
+    .venv/bin/python bench/broker.py produce --tree /tmp/before   # the broker of another checkout
 
 Targets (issue 3): produce >= 100,000 msg/s; single-message pipelined >= 30,000 msg/s; consume >=
 100,000 msg/s; end-to-end p99 < 5 ms at 1,000 msg/s. A message counts as produced once the broker
 acknowledged it (durable, with sync flush), as consumed once its ack was answered. Prints one line
-per case; record the figures in docs/benchmarks.md.
+per case, with the broker process's CPU time per 1,000 messages: on a machine shared with other work
+the rate moves with the load, the CPU cost much less, so compare the CPU figure of a change (`--tree`
+runs the broker of another checkout, before and after in one sitting). Record the figures in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -41,8 +45,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class BrokerProcess:
-    def __init__(self, flush: str) -> None:
+    def __init__(self, flush: str, tree: Path = ROOT) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-broker-"))
         self.port = free_port()
         self.proc = subprocess.Popen(
@@ -60,7 +70,7 @@ class BrokerProcess:
                 "-l",
                 "WARNING",
             ],
-            cwd=ROOT,
+            cwd=tree,
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -69,6 +79,9 @@ class BrokerProcess:
                     return
             time.sleep(0.05)
         raise RuntimeError("the broker did not start")
+
+    def cpu_ms_per_1000(self, since_s: float, messages: int) -> float:
+        return (cpu_seconds(self.proc.pid) - since_s) * 1000 / messages * 1000
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -316,6 +329,7 @@ def main() -> None:
     parser.add_argument("--flush", default="sync", choices=["sync", "async"])
     parser.add_argument("--messages", type=int, default=300_000)
     parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--tree", type=Path, default=ROOT, help="run the broker of this checkout")
     args = parser.parse_args()
     try:
         import uvloop
@@ -325,29 +339,36 @@ def main() -> None:
         pass
     print(
         f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, flush {args.flush}, "
-        f"{args.size} B messages"
+        f"{args.size} B messages, broker from {args.tree}, load average {os.getloadavg()[0]:.2f}"
     )
     cases = ["produce", "produce-single", "consume", "latency", "client"] if args.case == "all" else [args.case]
     for case in cases:
-        broker = BrokerProcess(args.flush)
+        broker = BrokerProcess(args.flush, args.tree)
         try:
+            cpu = cpu_seconds(broker.proc.pid)
             if case == "produce":
                 r = asyncio.run(produce(broker.port, args.messages, 64, args.size, connections=2, inflight=4))
                 print(
                     f"produce        batch 64, 2 conns x 4 in flight: {r['rate']:>9,.0f} msg/s "
-                    f"(batch p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)"
+                    f"(batch p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms; "
+                    f"broker CPU {broker.cpu_ms_per_1000(cpu, r['messages']):.1f} ms per 1,000)"
                 )
             elif case == "produce-single":
                 n = min(args.messages, 100_000)
                 r = asyncio.run(produce(broker.port, n, 1, args.size, connections=4, inflight=64))
                 print(
                     f"produce-single 1 per request, 4 conns x 64 in flight: {r['rate']:>9,.0f} msg/s "
-                    f"(p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms)"
+                    f"(p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms; "
+                    f"broker CPU {broker.cpu_ms_per_1000(cpu, r['messages']):.1f} ms per 1,000)"
                 )
             elif case == "consume":
                 asyncio.run(produce(broker.port, args.messages, 64, args.size, connections=2, inflight=4))
+                cpu = cpu_seconds(broker.proc.pid)
                 r = asyncio.run(consume(broker.port, args.messages, 1024))
-                print(f"consume        one group, 2 consumers, pulls of up to 1024: {r['rate']:>9,.0f} msg/s")
+                print(
+                    f"consume        one group, 2 consumers, pulls of up to 1024: {r['rate']:>9,.0f} msg/s "
+                    f"(broker CPU {broker.cpu_ms_per_1000(cpu, r['messages']):.1f} ms per 1,000)"
+                )
             elif case == "latency":
                 r = asyncio.run(latency(broker.port, 1000, 10, args.size))
                 print(

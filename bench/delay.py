@@ -6,6 +6,7 @@ in this process, all on this machine (they share its cores).
                                                      # memory per pending message and restart time
     .venv/bin/python bench/delay.py spread           # scheduling 200,000 due over a year (8,760 buckets)
     .venv/bin/python bench/delay.py lateness         # 5,000 messages due per second, received by a consumer
+    .venv/bin/python bench/delay.py --tree /tmp/before  # the servers of another checkout
 
 Targets (issue 6): scheduling >= 50,000 msg/s (1 KiB, batched); 1,000,000 pending in the loaded
 window cost < 64 bytes of memory per message above the baseline; 5,000 due per second with lateness
@@ -13,7 +14,10 @@ p99 < 600 ms; restart with 1,000,000 pending serving again in < 10 s. A message 
 once the delay server acknowledged it (durable in its message log and filed into its bucket).
 Memory is the server's anonymous resident memory (`RssAnon`: the page cache of its files is not
 counted) after a restart has loaded every pending message into the wheel, minus that of the same
-server restarted with nothing pending. Prints one line per figure; record them in docs/benchmarks.md.
+server restarted with nothing pending. Scheduling figures come with the delay server's CPU time per
+1,000 messages, which moves less than the rate on a shared machine (`--tree` runs the servers of
+another checkout, to compare a change before and after in one sitting). Prints one line per figure;
+record them in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> float
 
 
 class Server:
+    tree = ROOT  # the checkout whose servers run
+
     def __init__(self, args: list[str], data_dir: Path, port: int | None = None) -> None:
         self.args, self.data_dir, self.port = args, data_dir, port or free_port()
         self.proc: subprocess.Popen | None = None
@@ -79,9 +85,15 @@ class Server:
                 "-l",
                 "WARNING",
             ],
-            cwd=ROOT,
+            cwd=self.tree,
         )
         return wait_port(self.port, self.proc)
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU time of the process so far."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -175,10 +187,13 @@ async def measure_pending(server: Server, total: int) -> None:
     time.sleep(1.0)
     baseline = server.rss_anon_bytes()
     due_from = time.time_ns() // 1_000_000 + 15 * MINUTE_MS  # inside the 30-minute load-ahead: in the wheel
+    cpu = server.cpu_seconds()
     result = await schedule(server.port, total, 64, 1024, 2, 8, due_from, 5 * MINUTE_MS)
+    cpu_ms = (server.cpu_seconds() - cpu) * 1e6 / result["messages"]
     print(
         f"scheduling: {result['messages']:,} x 1 KiB, batches of 64, 2 connections x 8 in flight, due over 5 min "
-        f"in the loaded window: {result['rate']:,.0f} msg/s ({result['seconds']:.1f} s)",
+        f"in the loaded window: {result['rate']:,.0f} msg/s ({result['seconds']:.1f} s; "
+        f"CPU {cpu_ms:.1f} ms per 1,000)",
         flush=True,
     )
     s = await stats(server.port)
@@ -208,6 +223,7 @@ async def case_spread(work: Path, total: int) -> None:
     server = Server(["delay-server", "--broker", "127.0.0.1:1"], work / "delay-spread")
     try:
         server.start()
+        cpu = server.cpu_seconds()
         result = await schedule(
             server.port,
             total,
@@ -219,9 +235,10 @@ async def case_spread(work: Path, total: int) -> None:
             365 * 86_400_000,
             subject="spread",
         )
+        cpu_ms = (server.cpu_seconds() - cpu) * 1e6 / result["messages"]
         print(
             f"scheduling: {result['messages']:,} x 1 KiB due over the next year (8,760 hour buckets): "
-            f"{result['rate']:,.0f} msg/s",
+            f"{result['rate']:,.0f} msg/s (CPU {cpu_ms:.1f} ms per 1,000)",
             flush=True,
         )
     finally:
@@ -276,11 +293,17 @@ def main() -> None:
     parser.add_argument("--pending", type=int, default=1_000_000, help="messages for the pending case")
     parser.add_argument("--rate", type=int, default=5000, help="messages due per second (lateness case)")
     parser.add_argument("--seconds", type=int, default=20, help="seconds of due messages (lateness case)")
+    parser.add_argument("--tree", type=Path, default=ROOT, help="run the servers of this checkout")
     args = parser.parse_args()
+    Server.tree = args.tree
     cases = args.cases or CASES
     if unknown := set(cases) - set(CASES):
         parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
-    print(f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs", flush=True)
+    print(
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs, servers from "
+        f"{args.tree}, load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     work = Path(tempfile.mkdtemp(prefix="qmq-bench-delay-"))
     try:
         if "pending" in cases:

@@ -18,7 +18,7 @@ import zlib
 from pathlib import Path
 
 from delay_server.schedule_log import bucket_name
-from qmq.store.segment import fsync_dir
+from qmq.store.files import fsync_dir
 
 ENTRY = struct.Struct(">QI")  # position in the bucket's .log file, CRC-32 of its 8 bytes
 ENTRY_SIZE = ENTRY.size  # 12

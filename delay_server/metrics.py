@@ -1,43 +1,25 @@
 """The delay server's Prometheus metrics (docs/delay.md lists them).
 
-Counters of the hot paths are plain ints on the scheduler, read at scrape time; the lateness
-histogram keeps its own bucket counts for the same reason (prometheus-client takes a lock per
-observation). `qmq_delay_pending{bucket}` is refreshed from `Scheduler.stats()` every few seconds.
+Counters of the hot paths are plain numbers read at scrape time: the requests' (`REQUESTS`), and the
+scheduler's counters and lateness histogram, read from the scheduler (prometheus-client takes a lock
+per observation). `qmq_delay_pending{bucket}` is refreshed from the scheduler every few seconds.
 """
 
 from __future__ import annotations
 
-import bisect
 from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from qmq.metrics import new_registry
+from qmq.metrics import RequestMetrics, new_registry
 
 if TYPE_CHECKING:
     from delay_server.scheduler import Scheduler
 
-LATENESS_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
-
 REGISTRY = new_registry()
+REQUESTS = RequestMetrics("qmq_delay", "delay server", REGISTRY)
 PENDING = Gauge("qmq_delay_pending", "Messages not yet delivered, by bucket", ["bucket"], registry=REGISTRY)
-
-
-class Lateness:
-    """Delivery time minus due time, in seconds: a histogram with fixed buckets."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENESS_BUCKETS_S) + 1)
-        self.total_s = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(LATENESS_BUCKETS_S, seconds)] += 1
-        self.total_s += seconds
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
 
 
 class SchedulerCollector:
@@ -66,11 +48,7 @@ class SchedulerCollector:
             gauge.add_metric([], value)
             yield gauge
         histogram = HistogramMetricFamily("qmq_delay_lateness_seconds", "Delivery time minus due time")
-        cumulative, buckets = 0, []
-        for bound, count in zip((*LATENESS_BUCKETS_S, float("inf")), s.lateness.counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
-        histogram.add_metric([], buckets, s.lateness.total_s)
+        histogram.add_metric([], s.lateness.buckets(), s.lateness.total)
         yield histogram
 
 

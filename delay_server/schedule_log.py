@@ -15,7 +15,6 @@ rest again: no entry is ever in a bucket twice. Layout and recovery: docs/delay.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from qmq.store import record as rec
-from qmq.store.segment import fsync_dir
+from qmq.store.files import fsync_dir, fsync_path, pwrite_all, read_json, write_json
 
 log = logging.getLogger("qmq.delay")
 
@@ -109,8 +108,8 @@ class Bucket:
             size = len(data)
             index.append(pack(offset, position, due_ms, size))
             position += size
-        _write_all(self.log_fd, b"".join(d for _, _, d in items), self.log_size)
-        _write_all(self.index_fd, b"".join(index), self.count * INDEX_SIZE)
+        pwrite_all(self.log_fd, b"".join(d for _, _, d in items), self.log_size)
+        pwrite_all(self.index_fd, b"".join(index), self.count * INDEX_SIZE)
         self.log_size = position
         self.count += len(items)
         return positions
@@ -265,7 +264,7 @@ class ScheduleLog:
         buckets. Blocking: run it off the event loop."""
         for path in dirty:
             fsync_path(path)
-        _write_json(self.directory / CHECKPOINT_FILE, {"version": 1, "offset": offset})
+        write_json(self.directory / CHECKPOINT_FILE, {"version": 1, "offset": offset})
         self.checkpoint_offset = offset
 
     def remove(self, start_ms: int) -> None:
@@ -293,43 +292,11 @@ def open_bucket_limit() -> int:
     return max(16, min(MAX_OPEN_BUCKETS, (soft - RESERVED_FDS) // 3))
 
 
-def fsync_path(path: Path) -> None:
-    """Fsync a file (or directory) by name: fsync flushes the file, whichever descriptor asks. A file
-    deleted meanwhile (retention) needs nothing."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes, position: int) -> None:
-    written = os.pwrite(fd, data, position)
-    while written < len(data):
-        written += os.pwrite(fd, memoryview(data)[written:], position + written)
-
-
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, json.dumps(value).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def _load_checkpoint(directory: Path) -> int:
     path = directory / CHECKPOINT_FILE
-    if not path.exists():
-        return 0
     try:
-        return int(json.loads(path.read_text())["offset"])
+        saved = read_json(path)
+        return 0 if saved is None else int(saved["offset"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ScheduleError(f"{path}: unreadable schedule checkpoint ({exc})") from None
 
@@ -339,10 +306,11 @@ def _fixed_bucket_minutes(directory: Path, wanted: int) -> int:
     if wanted not in BUCKET_MINUTES:
         raise ValueError(f"bucket minutes must be one of {', '.join(map(str, BUCKET_MINUTES))}, not {wanted}")
     path = directory / SETTINGS_FILE
-    if path.exists():
-        saved = int(json.loads(path.read_text())["bucket_minutes"])
+    settings = read_json(path)
+    if settings is not None:
+        saved = int(settings["bucket_minutes"])
         if saved != wanted:
             log.warning("this schedule log has %d-minute buckets; keeping them (asked for %d)", saved, wanted)
         return saved
-    _write_json(path, {"format": 1, "bucket_minutes": wanted})
+    write_json(path, {"format": 1, "bucket_minutes": wanted})
     return wanted

@@ -31,7 +31,6 @@ from delay_server import dispatch_log, records
 from delay_server.cancels import Cancels
 from delay_server.clock import CLOCK_POLL_S, Clock
 from delay_server.dispatch_log import DispatchLog
-from delay_server.metrics import Lateness
 from delay_server.schedule_log import (
     INDEX_SIZE,
     INDEX_SUFFIX,
@@ -44,6 +43,7 @@ from delay_server.schedule_log import (
 from delay_server.wheel import TICK_MS, Wheel, ref, split_ref, tick_of
 from qmq.client.aio import AsyncClient
 from qmq.client.core import ForwardedMessage
+from qmq.metrics import Histogram
 from qmq.store import record as rec
 
 log = logging.getLogger("qmq.delay")
@@ -56,6 +56,7 @@ RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after the n-th failed deli
 LOAD_POLL_S = 1.0  # how often the loader looks for buckets coming due
 RETENTION_POLL_S = 60.0
 CLOSE_GRACE_S = 5.0  # at shutdown, deliveries in flight get this long to finish
+LATENESS_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
 
 
 @dataclass(eq=False)
@@ -107,7 +108,7 @@ class Scheduler:
         self._staged: list[tuple[int, int, rec.Record]] = []  # (due ms, ref, record), a heap
         self._attempts: dict[int, int] = {}  # ref -> failed deliveries, for the backoff
         self.counters = {"scheduled": 0, "fired": 0, "skipped": 0, "failures": 0}
-        self.lateness = Lateness()
+        self.lateness = Histogram(LATENESS_BUCKETS_S)  # delivery time minus due time, seconds
         self._wake = asyncio.Event()
         self._loader_wake = asyncio.Event()
         self._outbox: list[tuple[int, int, rec.Record]] = []  # due, waiting for a free deliverer
@@ -414,7 +415,7 @@ class Scheduler:
             **self.counters,
             "lateness": {
                 "count": self.lateness.count,
-                "sum_s": self.lateness.total_s,
+                "sum_s": self.lateness.total,
                 "counts": list(self.lateness.counts),
             },
         }

@@ -14,33 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
-from delay_server import records
+from delay_server import metrics, records
 from delay_server.cancels import Cancels
 from delay_server.clock import Clock
 from delay_server.dispatch_log import DONE_SUFFIX
 from delay_server.schedule_log import ScheduleLog
 from delay_server.scheduler import Scheduler
-from qmq.net.server import PeerInfo
+from qmq.net.service import Service
 from qmq.protocol.codes import RequestCode
-from qmq.protocol.connection import Request
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
-from qmq.protocol.limits import (
-    DEFAULT_LIMITS,
-    MAX_MESSAGE_ID_LEN,
-    Limits,
-    validate_sent_message,
-)
-from qmq.store import record as rec
+from qmq.protocol.fields import bad, field
+from qmq.protocol.limits import DEFAULT_LIMITS, MAX_MESSAGE_ID_LEN, Limits, validate_sent_message
 from qmq.store.flush import FlushFailed
-from qmq.store.message_log import scan_segment
-from qmq.store.store import Appended, LogStore, Message, StoreError
+from qmq.store.group_commit import GroupCommit, Written
+from qmq.store.store import LogStore, Message, StoreError
 
 log = logging.getLogger("qmq.delay")
 
@@ -52,15 +44,15 @@ DAY_MS = 86_400_000
 _DUE_PACK = records.DUE.pack
 
 
-def _bad(message: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.BAD_REQUEST, message, fatal=False)
-
-
 def iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
 
 
-class DelayService:
+class DelayService(Service):
+    name = "delay server"
+    log = log
+    storage_errors = (StoreError, FlushFailed)
+
     def __init__(
         self,
         store: LogStore,
@@ -72,6 +64,7 @@ class DelayService:
         max_delay_s: float = DEFAULT_MAX_DELAY_S,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
+        super().__init__(metrics.REQUESTS)
         self.store = store
         self.schedule = schedule
         self.cancels = cancels
@@ -79,14 +72,13 @@ class DelayService:
         self.clock = clock
         self.max_delay_ms = int(max_delay_s * 1000)
         self.limits = limits
-        self.filed_upto = store.message_log.end_offset  # everything before is in its bucket (after recover)
+        self.filed_upto = store.end_offset  # everything before is in its bucket (after recover)
         self.failed: BaseException | None = None  # filing into the buckets failed: refuse until restarted
-        self._appends: list[tuple[list[Message], asyncio.Future[list[Appended]]]] = []
-        self._to_file: deque[tuple[int, list[tuple[Appended, Message]]]] = deque()  # to file, in log order
+        # Sends and cancels of one loop iteration: one append, one durability wait, then filed.
+        self.group_commit = GroupCommit(store, on_durable=self._file_durable)
         self._valid_subjects: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
-        self._handlers = {
-            RequestCode.PING: self._ping,
+        self.handlers |= {
             RequestCode.DELAY_SEND: self._send,
             RequestCode.DELAY_CANCEL: self._cancel,
             RequestCode.DELAY_STATS: self._stats,
@@ -98,20 +90,19 @@ class DelayService:
         """File into the buckets what the message log holds after the schedule checkpoint (a crash
         may have left it unfiled or half-filed); how many records. Blocking: run it before serving."""
         start = self.schedule.checkpoint_offset
-        message_log = self.store.message_log
-        if start < message_log.start_offset:
+        if start < self.store.start_offset:
             log.error(
                 "the message log from %d was removed before it was filed into the schedule log (filed up to "
                 "%d): messages in between are lost",
-                message_log.start_offset,
+                self.store.start_offset,
                 start,
             )
-            start = message_log.start_offset
+            start = self.store.start_offset
         cut: set[int] = set()
         pending: dict[int, list[tuple[int, int, bytes]]] = defaultdict(list)
         cancels: list[tuple[int, str, int]] = []
         replayed = buffered = 0
-        for record in _records_from(self.store, start):
+        for record in self.store.scan(start):
             replayed += 1
             if record.flags & records.CANCEL:
                 cancels.append((record.offset, record.message_id, records.due_of(record.payload)))
@@ -129,7 +120,7 @@ class DelayService:
                     (self.scheduler.dispatch_dir / (bucket.name + DONE_SUFFIX)).unlink(missing_ok=True)
                     self.scheduler.done.discard(bucket_start)
                     cut.add(bucket_start)
-                pending[bucket_start].append((record.offset, due, self._log_bytes(record.offset, record.end)))
+                pending[bucket_start].append((record.offset, due, self.store.read_bytes(record.offset, record.end)))
                 buffered += record.size
                 if buffered >= REPLAY_BUFFER_BYTES:
                     self._append_replayed(pending)
@@ -137,7 +128,7 @@ class DelayService:
         self._append_replayed(pending)
         if cancels:
             self.cancels.add(cancels)
-        end = message_log.end_offset
+        end = self.store.end_offset
         self.schedule.save_checkpoint(end, self.schedule.take_dirty() + self.cancels.take_dirty())
         self.filed_upto = end
         log.info(
@@ -158,9 +149,7 @@ class DelayService:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        with contextlib.suppress(StoreError, FlushFailed):  # file what requests cut short left durable
-            await self.store.durable(self.store.message_log.end_offset)
-            self._file_durable()
+        await self.group_commit.close()  # file what requests cut short appended
         await self.checkpoint()
 
     async def checkpoint(self) -> None:
@@ -181,28 +170,8 @@ class DelayService:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    async def handle(self, request: Request, peer: PeerInfo) -> dict[str, Any] | None:
-        handler = self._handlers.get(request.code)
-        if handler is None:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_REQUEST, f"the delay server has no request code {request.code}", fatal=False
-            )
-        body = request.body if request.body is not None else {}
-        if not isinstance(body, dict):
-            raise ProtocolError(ErrorCode.BAD_BODY, "the body must be a map", fatal=False)
-        try:
-            return await handler(body)
-        except (StoreError, FlushFailed) as exc:
-            log.error("request %s from %s: the store cannot take it: %s", _request_name(request.code), peer, exc)
-            raise RemoteError(ErrorCode.UNAVAILABLE, f"the delay server's store cannot take this now: {exc}") from None
-
-    async def _ping(self, body: dict[str, Any]) -> dict[str, Any]:
-        return body
-
     async def _send(self, body: dict[str, Any]) -> dict[str, Any]:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            raise _bad("missing field 'messages' (a list)")
+        messages = field(body, "messages", list)
         self._check_healthy()
         now = self.clock.now_ms()
         batch: list[Message] = []
@@ -222,9 +191,9 @@ class DelayService:
         message_id = m.id
         deliver_at = item.get("deliver_at")
         if type(deliver_at) is not int:
-            raise _bad(f"message {message_id}: deliver_at must be ms since the epoch")
+            raise bad(f"message {message_id}: deliver_at must be ms since the epoch")
         if deliver_at > now + self.max_delay_ms:
-            raise _bad(
+            raise bad(
                 f"message {message_id}: deliver_at {iso(deliver_at)} is {(deliver_at - now) / DAY_MS:.1f} "
                 f"days ahead; this delay server takes at most {self.max_delay_ms / DAY_MS:g} days"
             )
@@ -233,13 +202,11 @@ class DelayService:
         )
 
     async def _cancel(self, body: dict[str, Any]) -> dict[str, Any]:
-        ids = body.get("ids")
-        if not isinstance(ids, list) or not all(
-            isinstance(i, str) and 0 < len(i.encode()) <= MAX_MESSAGE_ID_LEN for i in ids
-        ):
-            raise _bad(f"'ids' must be a list of message ids (strings of 1-{MAX_MESSAGE_ID_LEN} bytes)")
+        ids = field(body, "ids", list, what="a list of message ids")
+        if not all(isinstance(i, str) and 0 < len(i.encode()) <= MAX_MESSAGE_ID_LEN for i in ids):
+            raise bad(f"field 'ids' must be a list of message ids (strings of 1-{MAX_MESSAGE_ID_LEN} bytes)")
         if len(ids) > MAX_CANCEL_IDS:
-            raise _bad(f"at most {MAX_CANCEL_IDS} ids per request")
+            raise bad(f"field 'ids' holds {len(ids)} ids, at most {MAX_CANCEL_IDS} are taken per request")
         self._check_healthy()
         now = self.clock.now_ms()
         outcomes, batch = [], []
@@ -291,58 +258,34 @@ class DelayService:
 
     async def _append_and_file(self, batch: list[Message]) -> None:
         """Append `batch` with the other requests of this loop iteration (one store append, one
-        durability wait), then wait until it is filed into its buckets."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[Appended]] = loop.create_future()
-        if not self._appends:
-            loop.call_soon(self._append_all)
-        self._appends.append((batch, future))
-        appended = await future
-        await self.store.durable(appended[-1].end)
-        self._file_durable()
+        durability wait); return once it is filed into its buckets."""
+        await self.group_commit.write(batch)
         self._check_healthy()
 
-    def _append_all(self) -> None:
-        appends, self._appends = self._appends, []
-        try:
-            appended = self.store.append([m for batch, _ in appends for m in batch])
-        except Exception as exc:
-            for _, future in appends:
-                future.set_exception(exc)
+    def _file_durable(self, written: Written) -> None:
+        """File durable messages (and cancels), called in message-log order. After a failure, nothing
+        more is filed: a restart files it from the message log."""
+        if self.failed is not None:
             return
-        i = 0
-        items = []
-        for batch, future in appends:
-            mine = appended[i : i + len(batch)]
-            items.extend(zip(mine, batch, strict=True))
-            future.set_result(mine)
-            i += len(batch)
-        self._to_file.append((appended[-1].end, items))
+        try:
+            self._file(written)
+        except Exception as exc:
+            self.failed = exc
+            log.critical(
+                "cannot write the schedule log; refusing new messages until restarted (a restart "
+                "files them from the message log): %s",
+                exc,
+            )
+            return
+        self.filed_upto = written[-1][0].end
 
-    def _file_durable(self) -> None:
-        """File every durable batch not yet filed, in message-log order."""
-        durable = self.store.flusher.durable_offset
-        while self._to_file and self._to_file[0][0] <= durable and self.failed is None:
-            end, items = self._to_file.popleft()
-            try:
-                self._file(items)
-            except Exception as exc:
-                self.failed = exc
-                log.critical(
-                    "cannot write the schedule log; refusing new messages until restarted (a restart "
-                    "files them from the message log): %s",
-                    exc,
-                )
-                return
-            self.filed_upto = end
-
-    def _file(self, items: list[tuple[Appended, Message]]) -> None:
+    def _file(self, items: Written) -> None:
         """File appended messages (and cancels) into their buckets. The copies are the message-log
         records themselves, read back from the page cache in one read."""
         by_bucket: dict[int, list[tuple[int, int, memoryview]]] = defaultdict(list)
         cancels = []
         first = items[0][0].offset
-        raw = memoryview(self._log_bytes(first, items[-1][0].end))
+        raw = memoryview(self.store.read_bytes(first, items[-1][0].end))
         bucket_ms, due_of, cancel_flag = self.schedule.bucket_ms, records.due_of, records.CANCEL
         for appended, message in items:
             offset = appended.offset
@@ -356,35 +299,3 @@ class DelayService:
             self.scheduler.scheduled(bucket_start, zip(positions, (due for _, due, _ in entries), strict=True))
         if cancels:
             self.cancels.add(cancels)
-
-    def _log_bytes(self, start: int, end: int) -> bytes:
-        """The message log's bytes from `start` to `end` (record boundaries)."""
-        message_log = self.store.message_log
-        segment = message_log.segment_for(start)
-        if segment is not None and end <= segment.end:
-            return segment.read(start - segment.base, end - start)
-        chunks = []  # the range spans segments: a record never does
-        while start < end:
-            segment = message_log.segment_for(start)
-            if segment is None:
-                raise StoreError(f"no segment holds message-log offset {start}")
-            upto = min(end, segment.end)
-            chunks.append(segment.read(start - segment.base, upto - start))
-            start = upto
-        return b"".join(chunks)
-
-
-def _records_from(store: LogStore, start: int) -> Iterator[rec.Record]:
-    """Every record of the message log from offset `start` (a record boundary) to its end."""
-    for segment in list(store.message_log.segments):
-        if segment.end <= start:
-            continue
-        yield from scan_segment(segment, max(start, segment.base))
-
-
-@functools.cache
-def _request_name(code: int) -> str:
-    try:
-        return RequestCode(code).name.lower()
-    except ValueError:
-        return "unknown"

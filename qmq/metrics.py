@@ -2,12 +2,19 @@
 
 Each server keeps its metrics in its own registry, so a process shows only its own (every `qmq`
 command imports every server module; one default registry would give a broker the meta server's
-gauges). Each registry also carries the process and platform collectors.
+gauges). Each registry also carries the process and platform collectors. Counters of hot paths are
+plain numbers read at scrape time (`Histogram`, `RequestMetrics`).
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
+import math
+from collections.abc import Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 
 def new_registry() -> CollectorRegistry:
@@ -24,3 +31,77 @@ def serve(registry: CollectorRegistry, host: str, port: int) -> int:
     if isinstance(started, tuple):  # prometheus-client >= 0.19 returns (server, thread)
         return started[0].server_port
     return port
+
+
+class Histogram:
+    """Observations counted into fixed buckets (upper bounds, in seconds), without the lock that
+    prometheus-client takes per observation: for hot paths, read at scrape time."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative counts by upper bound, as Prometheus wants them."""
+        out, cumulative = [], 0
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            cumulative += count
+            out.append(("+Inf" if bound == math.inf else str(bound), cumulative))
+        return out
+
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class RequestMetrics:
+    """Per request name: `<prefix>_requests_total`, `<prefix>_request_errors_total{error}` and the
+    handling time `<prefix>_request_seconds`. Plain counters read at scrape time, so the request
+    path pays no lock (the request count is the histogram's)."""
+
+    def __init__(self, prefix: str, server: str, registry: CollectorRegistry) -> None:
+        self.prefix = prefix
+        self.server = server  # "broker", "delay server", ...: in the help texts
+        self.errors: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.latency: dict[str, Histogram] = {}
+        registry.register(self)
+
+    def observe(self, name: str, seconds: float) -> None:
+        """A request `name` was answered after `seconds`: the hot path, one call per request."""
+        histogram = self.latency.get(name)
+        if histogram is None:
+            histogram = self.latency[name] = Histogram(LATENCY_BUCKETS_S)
+        histogram.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        histogram.total += seconds
+
+    def error(self, name: str, error: str) -> None:
+        self.errors[(name, error)] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        latency = list(self.latency.items())
+        requests = CounterMetricFamily(
+            f"{self.prefix}_requests", f"Requests handled by the {self.server}", labels=["request"]
+        )
+        for name, histogram in latency:
+            requests.add_metric([name], histogram.count)
+        yield requests
+        errors = CounterMetricFamily(
+            f"{self.prefix}_request_errors", "Requests answered with an error frame", labels=["request", "error"]
+        )
+        for (name, error), count in list(self.errors.items()):
+            errors.add_metric([name, error], count)
+        yield errors
+        seconds = HistogramMetricFamily(
+            f"{self.prefix}_request_seconds", "Time from a request's arrival to its answer", labels=["request"]
+        )
+        for name, histogram in latency:
+            seconds.add_metric([name], histogram.buckets(), histogram.total)
+        yield seconds

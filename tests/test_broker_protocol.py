@@ -72,7 +72,6 @@ BAD_INPUT: dict[str, tuple[Callable[[str], bytes], int, ErrorCode]] = {
         1,
         ErrorCode.FRAME_TOO_LARGE,
     ),
-    "unknown-request": (lambda s: handshake() + encode_frame(199, 2, {}), 1, ErrorCode.UNKNOWN_REQUEST),
     "wrong-token": (lambda s: handshake("wrong") + encode_frame(RequestCode.PING, 2, {}), 0, ErrorCode.UNAUTHORIZED),
     "no-token": (
         lambda s: handshake(None) + encode_frame(RequestCode.BROKER_SEND, 2, {"messages": []}),

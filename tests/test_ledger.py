@@ -13,10 +13,10 @@ from datetime import UTC, datetime, timedelta
 import pyarrow.parquet as pq
 import pytest
 
+from qmq.cli.ledger import export_store
 from qmq.client import Client, OutgoingMessage
 from qmq.ids import new_id
 from qmq.ledger import tables as t
-from qmq.ledger.export import export
 from qmq.protocol import envelope
 from qmq.protocol.codes import RequestCode
 from tests.support.broker import ROOT, RawConsumer, send, start_broker
@@ -64,7 +64,7 @@ def test_what_each_consumer_did_is_in_the_ledger_of_a_live_broker(processes, tmp
         assert len(RawConsumer(conn, "orders", "audit", "a1", {"start": "earliest"}).drain(4)) == 4
         assert len(RawConsumer(conn, "orders", "watch", "w1", {"start": "earliest", "broadcast": True}).drain(4)) == 4
 
-    report = export(broker.data_dir, tmp_path / "ledger", name="b1")  # while the broker runs
+    report = export_store(broker.data_dir, tmp_path / "ledger", name="b1")  # while the broker runs
     assert report.kind == "broker" and not report.problems
     ledger = read_ledger(tmp_path / "ledger")
 
@@ -118,7 +118,7 @@ def test_silent_consumer_dead_letter_retry_pending_and_days(processes, tmp_path)
         taker.nack(got[1], 3_600_000)  # due in an hour
         taker.ack(got)
     out = tmp_path / "ledger"
-    export(broker.data_dir, out, name="b1")
+    export_store(broker.data_dir, out, name="b1")
     first = read_ledger(out)
     rows = {r["message_id"]: r for r in first[t.DELIVERIES]}
     assert {m: (r["status"], r["times_delivered"]) for m, r in rows.items()} == {
@@ -132,9 +132,9 @@ def test_silent_consumer_dead_letter_retry_pending_and_days(processes, tmp_path)
     today = datetime.now(UTC).strftime("%Y-%m-%d")
     assert {r["date"] for r in first[t.MESSAGES]} == {today}
 
-    export(broker.data_dir, out, name="b1")  # again: the day's file is replaced, not added to
+    export_store(broker.data_dir, out, name="b1")  # again: the day's file is replaced, not added to
     assert len(read_ledger(out)[t.MESSAGES]) == len(first[t.MESSAGES])
-    report = export(broker.data_dir, tmp_path / "empty", name="b1", until=datetime.now(UTC) - timedelta(days=1))
+    report = export_store(broker.data_dir, tmp_path / "empty", name="b1", until=datetime.now(UTC) - timedelta(days=1))
     assert report.rows[t.MESSAGES] == {} and report.rows[t.DELIVERIES] == {}
     exported = json.loads((out / t.EXPORTS_DIR / "b1.json").read_text())
     assert exported["kind"] == "broker" and exported["as_of_ms"] >= rows[fine]["acked_at"].timestamp() * 1000
@@ -222,7 +222,7 @@ def test_a_delay_servers_ledger(processes, broker, tmp_path) -> None:
     assert [d.id for d in arrived] == [soon.id]
     wait_until(lambda: soon.id in dispatched_ids(server.data_dir), "the dispatch is on disk")
 
-    export(server.data_dir, tmp_path / "ledger", name="d1")
+    export_store(server.data_dir, tmp_path / "ledger", name="d1")
     rows = {r["message_id"]: r for r in read_ledger(tmp_path / "ledger")[t.DELAYED]}
     assert set(rows) == {soon.id, later.id, dropped.id}
     assert {m: (r["dispatched"], r["cancelled"]) for m, r in rows.items()} == {
@@ -245,7 +245,7 @@ def test_a_torn_tail_is_left_for_the_next_export(tmp_path) -> None:
     data = segment.read_bytes()
     with open(segment, "ab") as f:
         f.write(data[: len(data) // 2 - 5])  # half a record after the two
-    report = export(tmp_path / "store", tmp_path / "ledger")
+    report = export_store(tmp_path / "store", tmp_path / "ledger")
     assert not report.problems and report.notes
     assert sorted(r["message_id"] for r in read_ledger(tmp_path / "ledger")[t.MESSAGES]) == ["a", "b"]
     assert pq.read_table(next((tmp_path / "ledger" / t.MESSAGES).rglob("*.parquet"))).num_rows == 2
@@ -281,18 +281,18 @@ def test_a_day_partly_removed_by_retention_keeps_its_earlier_export(tmp_path) ->
     )
     store.close()
     out = tmp_path / "ledger"
-    export(tmp_path / "store", out, name="b")
+    export_store(tmp_path / "store", out, name="b")
     assert len(read_ledger(out)[t.MESSAGES]) == 200
     assert {r["status"] for r in read_ledger(out)[t.DELIVERIES]} == {t.ACKED}
 
     segments = sorted((tmp_path / "store" / "messagelog").iterdir())
     assert len(segments) > 2
     segments[0].unlink()  # as the cleaner does after the retention
-    report = export(tmp_path / "store", out, name="b")
+    report = export_store(tmp_path / "store", out, name="b")
     assert report.kept_days == [datetime.now(UTC).strftime("%Y-%m-%d")] and not report.problems
     assert len(read_ledger(out)[t.MESSAGES]) == 200  # the fuller file stayed
     fresh = tmp_path / "fresh"
-    export(tmp_path / "store", fresh, name="b")  # no earlier file: what is left is written
+    export_store(tmp_path / "store", fresh, name="b")  # no earlier file: what is left is written
     left = read_ledger(fresh)
     assert 0 < len(left[t.MESSAGES]) < 200
     assert {r["message_id"] for r in left[t.DELIVERIES]} == {r["message_id"] for r in left[t.MESSAGES]}

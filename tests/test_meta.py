@@ -301,7 +301,7 @@ def test_metrics_and_sigterm_exit_zero(processes, sqlite_url) -> None:
         return text if 'qmq_meta_servers{kind="broker",state="available"} 1.0' in text else None
 
     text = wait_until(scraped, "the sweep to publish gauges")
-    assert 'qmq_meta_requests_total{request="META_ROUTE"} 1.0' in text
+    assert 'qmq_meta_requests_total{request="meta_route"} 1.0' in text
     assert "qmq_meta_route_groups 1.0" in text
 
     assert processes.kill(proc, signal.SIGTERM) == 0  # with a client still connected

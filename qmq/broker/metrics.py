@@ -1,31 +1,23 @@
 """The broker's Prometheus metrics (docs/broker.md lists them).
 
-The counters bumped by every request (requests, stored messages) are plain ints read at scrape time:
-prometheus-client's counters take a lock per increment, which cost more than the rest of a small send.
-The per-group gauges (backlog, in flight, retrying, dead) are set from `BrokerService.stats()` by
-`update`, which the broker calls every few seconds.
+The counters bumped by every request (requests, errors, latency, stored messages) are plain numbers
+read at scrape time: prometheus-client's counters take a lock per increment, which cost more than the
+rest of a small send. The per-group gauges (backlog, in flight, retrying, dead) are set by `update`
+from the broker's stats, which the broker process does every few seconds.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
+from typing import Any
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
 from prometheus_client.core import CounterMetricFamily
 
-from qmq.metrics import new_registry
-
-if TYPE_CHECKING:
-    from qmq.broker.service import BrokerService
+from qmq.metrics import RequestMetrics, new_registry
 
 REGISTRY = new_registry()
-ERRORS = Counter(
-    "qmq_broker_request_errors_total",
-    "Requests answered with an error frame",
-    ["request", "error"],
-    registry=REGISTRY,
-)
+REQUESTS = RequestMetrics("qmq_broker", "broker", REGISTRY)
 BACKLOG = Gauge(
     "qmq_broker_backlog",
     "Messages not yet handed to any consumer of the group",
@@ -54,31 +46,25 @@ SUBJECT_MESSAGES = Gauge(
 READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only", registry=REGISTRY)
 
 
-class HotCounters:
-    """Counters of the request path, exported as `qmq_broker_requests_total{request}` and
-    `qmq_broker_messages_stored_total{subject}`."""
+class StoredCounter:
+    """Messages stored by sends, exported as `qmq_broker_messages_stored_total{subject}`."""
 
     def __init__(self) -> None:
-        self.requests: collections.Counter[str] = collections.Counter()
-        self.stored: collections.Counter[str] = collections.Counter()
+        self.by_subject: collections.Counter[str] = collections.Counter()
 
     def collect(self):
-        requests = CounterMetricFamily("qmq_broker_requests", "Requests handled by the broker", labels=["request"])
-        for name, count in list(self.requests.items()):
-            requests.add_metric([name], count)
-        yield requests
         stored = CounterMetricFamily("qmq_broker_messages_stored", "Messages stored, by subject", labels=["subject"])
-        for subject, count in list(self.stored.items()):
+        for subject, count in list(self.by_subject.items()):
             stored.add_metric([subject], count)
         yield stored
 
 
-HOT = HotCounters()
-REGISTRY.register(HOT)
+STORED = StoredCounter()
+REGISTRY.register(STORED)
 
 
-def update(service: BrokerService) -> None:
-    stats = service.stats()
+def update(stats: dict[str, Any]) -> None:
+    """Set the gauges from the broker's stats (`Administration.stats`)."""
     READ_ONLY.set(1 if stats["read_only"] else 0)
     for subject, info in stats["subjects"].items():
         SUBJECT_MESSAGES.labels(subject).set(info["stored"])

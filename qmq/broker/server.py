@@ -12,7 +12,8 @@ from pathlib import Path
 
 from qmq import metrics as prometheus
 from qmq.broker import metrics
-from qmq.broker.service import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerService
+from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerCore
+from qmq.broker.service import BrokerService
 from qmq.meta.membership import Membership
 from qmq.net.server import Server, run_process, stop_on_signals
 from qmq.store.flush import FlushMode
@@ -22,6 +23,7 @@ log = logging.getLogger("qmq.broker")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 20881
+METRICS_INTERVAL_S = 5.0  # the per-group gauges are refreshed this often
 
 
 async def serve_broker(
@@ -48,29 +50,30 @@ async def serve_broker(
         server = Server(service.handle, host=host, port=port, token=token)
         await server.start()
         address = advertise or f"{host}:{server.port}"
-        service.group_name = group or f"broker-{server.port}"
+        broker = service.core
+        broker.group_name = group or f"broker-{server.port}"
         if stop is None:
             stop = stop_on_signals()
         if metrics_port is not None:
             metrics_port = prometheus.serve(metrics.REGISTRY, host, metrics_port)
             log.info("metrics on http://%s:%d/metrics", host, metrics_port)
         service.start()
-        metrics.update(service)
+        refresher = asyncio.create_task(_refresh_metrics(service))
         membership = None
         if meta:
             membership = Membership(
                 meta,
                 kind="broker",
-                group=service.group_name,
+                group=broker.group_name,
                 address=address,
                 external_address=advertise_external,
                 token=token,
-                on_read_only=lambda ro: _set_read_only(service, ro),
+                on_read_only=lambda ro: _set_read_only(broker, ro),
             )
             membership.start()
         log.info(
             "broker group %s ready on %s (data %s, flush %s%s)",
-            service.group_name,
+            broker.group_name,
             address,
             data_dir,
             flush,
@@ -78,6 +81,7 @@ async def serve_broker(
         )
         await stop.wait()
         log.info("shutting down")
+        refresher.cancel()
         if membership is not None:
             await membership.close()
         await server.close()
@@ -87,10 +91,16 @@ async def serve_broker(
     log.info("broker stopped")
 
 
-def _set_read_only(service: BrokerService, read_only: bool) -> None:
-    if read_only != service.read_only:
-        log.warning("broker group %s is now %s", service.group_name, "read-only" if read_only else "writable")
-    service.read_only = read_only
+async def _refresh_metrics(service: BrokerService) -> None:
+    while True:
+        metrics.update(service.stats())
+        await asyncio.sleep(METRICS_INTERVAL_S)
+
+
+def _set_read_only(broker: BrokerCore, read_only: bool) -> None:
+    if read_only != broker.read_only:
+        log.warning("broker group %s is now %s", broker.group_name, "read-only" if read_only else "writable")
+    broker.read_only = read_only
 
 
 def run(data_dir: str | Path, **kwargs) -> None:

@@ -1,24 +1,20 @@
 """Snapshots of the broker's consumption state, so a restart replays only the journal after one.
 
-A snapshot is msgpack with a CRC-32, written to a temporary file, fsynced and renamed over the last
-one: a crash leaves the old or the new one whole. A snapshot that fails its CRC is an error naming
-the file; the broker does not guess at positions.
+A snapshot is msgpack sealed with its length and CRC-32, written atomically (`qmq.store.files`): a
+crash leaves the old or the new one whole. A snapshot that fails its CRC is an error naming the file;
+the broker does not guess at positions.
 """
 
 from __future__ import annotations
 
-import os
-import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from qmq.store.segment import fsync_dir
+from qmq.store.files import DamagedFile, sealed, unsealed, write_atomically
 
 FILE_NAME = "consumers.snapshot"
-HEADER = struct.Struct(">II")  # crc32 of the body, body length
 
 
 class SnapshotError(ValueError):
@@ -29,23 +25,13 @@ def load(directory: Path) -> dict[str, Any] | None:
     path = directory / FILE_NAME
     if not path.exists():
         return None
-    data = path.read_bytes()
-    if len(data) < HEADER.size:
-        raise SnapshotError(f"{path}: truncated snapshot ({len(data)} bytes)")
-    crc, length = HEADER.unpack_from(data)
-    body = data[HEADER.size :]
-    if len(body) != length or zlib.crc32(body) != crc:
-        raise SnapshotError(f"{path}: snapshot fails its CRC check (expected {length} bytes, have {len(body)})")
+    try:
+        body = unsealed(path.read_bytes(), path, "snapshot")
+    except DamagedFile as exc:
+        raise SnapshotError(str(exc)) from None
     return msgpack.unpackb(body, raw=False, strict_map_key=False)
 
 
 def save(directory: Path, snapshot: dict[str, Any]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    body = msgpack.packb(snapshot, use_bin_type=True)
-    tmp = directory / (FILE_NAME + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(HEADER.pack(zlib.crc32(body), len(body)) + body)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / FILE_NAME)
-    fsync_dir(directory)
+    write_atomically(directory / FILE_NAME, sealed(msgpack.packb(snapshot, use_bin_type=True)))

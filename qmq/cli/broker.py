@@ -6,8 +6,8 @@ import logging
 
 import click
 
+from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
-from qmq.broker.service import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.net.common import TOKEN_ENV
 from qmq.store.store import StoreError
 

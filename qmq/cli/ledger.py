@@ -6,10 +6,24 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from qmq.cli.time_options import TIME
+
+if TYPE_CHECKING:
+    from qmq.ledger.export import ExportReport
+
+
+def export_store(data_dir: Path, out: Path, **options: Any) -> ExportReport:
+    """`qmq ledger export` of a broker's or a delay server's store, whichever `data_dir` holds
+    (`qmq.ledger.export.export` takes the same `options`). Imports pyarrow: an extra."""
+    from delay_server.ledger import DELAY_STORE
+    from delay_server.verify import is_delay_store
+    from qmq.ledger.export import BROKER_STORE, export
+
+    return export(data_dir, out, kind=DELAY_STORE if is_delay_store(data_dir) else BROKER_STORE, **options)
 
 
 @click.group()
@@ -31,16 +45,14 @@ def ledger() -> None:
 def export_cmd(data_dir: str, out: str, since, until, name: str | None) -> None:
     """Write the messages, deliveries, acks and consumer groups of a store as Parquet, by day; print
     what was written as JSON. Exit 1 if the store has damaged records (the rest is exported)."""
-    try:
-        from qmq.ledger.export import export
-    except ImportError as exc:  # pyarrow is an extra
-        raise click.ClickException(f"{exc}: install the ledger extra (pip install 'qmq[spark]')") from None
     if since is not None and until is not None and since >= until:
         raise click.UsageError("--since must be before --until")
     if name is not None and (not name or "/" in name or name.startswith((".", "_"))):
         raise click.UsageError(f"--name {name!r}: a store name may not be empty, hold '/' or start with '.' or '_'")
     try:
-        report = export(Path(data_dir), Path(out), name=name, since=since, until=until)
+        report = export_store(Path(data_dir), Path(out), name=name, since=since, until=until)
+    except ImportError as exc:  # pyarrow is an extra
+        raise click.ClickException(f"{exc}: install the ledger extra (pip install 'qmq[spark]')") from None
     except FileNotFoundError as exc:
         raise click.UsageError(str(exc)) from None
     summary = {

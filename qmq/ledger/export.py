@@ -1,4 +1,5 @@
-"""`qmq ledger export`: read a broker's or delay server's store directory and write its ledger.
+"""`qmq ledger export`: read a store directory and write its ledger; the broker's tables here, the
+delay server's in `delay_server/ledger.py` (a `StoreKind` each; `qmq/cli/ledger.py` picks one).
 
 Read-only and safe on a live store (the same reading as `qmq log dump`: no lock taken, nothing
 changed, a record being written at the very end is left for the next export). Everything stored
@@ -14,22 +15,18 @@ a group whose creation left the journal long ago is still known.
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from delay_server import dispatch_log
-from delay_server.cancels import SUFFIX as CANCELS_SUFFIX
-from delay_server.cancels import iter_cancels
-from delay_server.verify import is_delay_store, iter_scheduled
 from qmq.broker import snapshot
 from qmq.ledger import tables as t
-from qmq.ledger.delayed import DelayLedger
 from qmq.ledger.replay import MS_PER_DAY, BrokerLedger, Window, day_of, parse_system_subject
 from qmq.ledger.writer import DayFiles, partition_dir, read_file, write_file
+from qmq.store.files import write_json
 from qmq.store.segment import list_segments
 from qmq.store.verify import VerifyReport, iter_records, message_log_dir
 
@@ -52,6 +49,26 @@ class ExportReport:
     problems: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class ExportJob:
+    """One export under way: the store read, the ledger written, and what is learnt on the way."""
+
+    data_dir: Path
+    out: Path
+    report: ExportReport
+    window: Window
+    scan: VerifyReport  # damaged or incomplete records met while reading the message log
+    keep: frozenset[str]  # days the store holds only part of: an earlier export of them is kept
+
+
+@dataclass(frozen=True)
+class StoreKind:
+    """What kind of store a directory holds, and how its tables are written."""
+
+    name: str  # "broker", "delay": in the export report
+    write_tables: Callable[[ExportJob], None]
+
+
 def window_of(since: datetime | None, until: datetime | None) -> Window:
     """The whole UTC days covering [since, until)."""
     since_ms = None if since is None else int(since.timestamp() * 1000) // MS_PER_DAY * MS_PER_DAY
@@ -60,47 +77,46 @@ def window_of(since: datetime | None, until: datetime | None) -> Window:
 
 
 def export(
-    data_dir: Path, out: Path, *, name: str | None = None, since: datetime | None = None, until: datetime | None = None
+    data_dir: Path,
+    out: Path,
+    *,
+    kind: StoreKind | None = None,
+    name: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
 ) -> ExportReport:
-    """Export the store at `data_dir` into the ledger at `out`; raises FileNotFoundError for a
-    directory that is not a store."""
+    """Export the store at `data_dir`, a broker's unless `kind` says otherwise, into the ledger at
+    `out`; raises FileNotFoundError for a directory that is not a store."""
+    kind = kind or BROKER_STORE
     message_log_dir(data_dir)  # a clear error for a directory that is not a store
     window = window_of(since, until)
     as_of_ms = time.time_ns() // 1_000_000
-    delay = is_delay_store(data_dir)
     report = ExportReport(
         name=name or data_dir.resolve().name,
-        kind="delay" if delay else "broker",
+        kind=kind.name,
         data_dir=str(data_dir.resolve()),
         as_of=_iso(as_of_ms),
         as_of_ms=as_of_ms,
         since=_iso(window.since_ms),
         until=_iso(window.until_ms),
     )
-    scan = VerifyReport()
-    keep = _partial_day(data_dir)
-    if delay:
-        _export_delayed(data_dir, out, report, window, scan, keep)
-    else:
-        _export_broker(data_dir, out, report, window, scan, keep)
-    report.notes += scan.notes
-    report.problems += scan.problems
+    job = ExportJob(data_dir, out, report, window, VerifyReport(), _partial_day(data_dir))
+    kind.write_tables(job)
+    report.notes += job.scan.notes
+    report.problems += job.scan.problems
     exports = out / t.EXPORTS_DIR
     exports.mkdir(parents=True, exist_ok=True)
-    tmp = exports / f".{report.name}.json.tmp"
-    tmp.write_text(json.dumps(asdict(report), indent=2))
-    tmp.replace(exports / f"{report.name}.json")
+    write_json(exports / f"{report.name}.json", asdict(report), indent=2)
     return report
 
 
-def _export_broker(
-    data_dir: Path, out: Path, report: ExportReport, window: Window, scan: VerifyReport, keep: frozenset[str]
-) -> None:
-    messages = DayFiles(out, t.MESSAGES, report.name, "first_stored_at", keep)
-    deliveries = DayFiles(out, t.DELIVERIES, report.name, "first_stored_at", keep)
+def _export_broker(job: ExportJob) -> None:
+    report, out = job.report, job.out
+    messages = DayFiles(out, t.MESSAGES, report.name, "first_stored_at", job.keep)
+    deliveries = DayFiles(out, t.DELIVERIES, report.name, "first_stored_at", job.keep)
     try:
-        ledger = BrokerLedger(window, on_message=messages.add)
-        ledger.feed_all(iter_records(data_dir, scan))
+        ledger = BrokerLedger(job.window, on_message=messages.add)
+        ledger.feed_all(iter_records(job.data_dir, job.scan))
         deliveries.add_all(ledger.delivery_rows())
         report.rows[t.MESSAGES] = messages.commit()
         report.rows[t.DELIVERIES] = deliveries.commit()
@@ -111,33 +127,12 @@ def _export_broker(
     report.records = ledger.records
     report.problems += ledger.problems
     groups_path = partition_dir(out, t.GROUPS, report.name) / t.PART_FILE
-    groups = merge_groups(ledger.group_rows, _snapshot_groups(data_dir, report), read_file(groups_path))
+    groups = merge_groups(ledger.group_rows, _snapshot_groups(job.data_dir, report), read_file(groups_path))
     write_file(groups_path, t.GROUPS, groups)
     report.rows[t.GROUPS] = {"all": len(groups)}
 
 
-def _export_delayed(
-    data_dir: Path, out: Path, report: ExportReport, window: Window, scan: VerifyReport, keep: frozenset[str]
-) -> None:
-    ledger = DelayLedger(window)
-    for record in iter_records(data_dir, scan):
-        ledger.feed(record)
-    report.records = ledger.records
-    for path in sorted((data_dir / "cancels").glob("*" + CANCELS_SUFFIX)):
-        ledger.add_cancels(r.message_id for r in iter_cancels(path))
-    by_bucket: dict[str, dict[int, str]] = {}
-    for bucket, record in iter_scheduled(data_dir):
-        by_bucket.setdefault(bucket, {})[record.offset] = record.message_id
-    for bucket, ids in by_bucket.items():
-        positions, _damaged = dispatch_log.read_entries(data_dir / "dispatch" / (bucket + dispatch_log.SUFFIX))
-        ledger.add_dispatched(ids[p] for p in positions if p in ids)
-    delayed = DayFiles(out, t.DELAYED, report.name, "stored_at", keep)
-    try:
-        delayed.add_all(ledger.rows())
-        report.rows[t.DELAYED] = delayed.commit()
-        report.kept_days = sorted(delayed.kept)
-    finally:
-        delayed.abort()
+BROKER_STORE = StoreKind("broker", _export_broker)
 
 
 def _partial_day(data_dir: Path) -> frozenset[str]:

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from qmq.ledger import tables as t
 from qmq.ledger.replay import day_of
+from qmq.store.files import replace_durably
 
 ROW_GROUP_ROWS = 100_000  # rows held in memory per open day before they are written
 COMPRESSION = "zstd"
@@ -89,7 +90,7 @@ class DayFiles:
             self._flush(day)
         for day, writer in self._writers.items():
             writer.close()
-            os.replace(_tmp(self._path(day)), self._path(day))
+            replace_durably(_tmp(self._path(day)), self._path(day))
         self._writers.clear()
         return dict(sorted(self.rows.items()))
 
@@ -115,7 +116,7 @@ def write_file(path: Path, table: str, rows: list[dict[str, Any]]) -> None:
     """`rows` as the Parquet file `path`, replacing it at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(_table(t.SCHEMAS[table], rows), _tmp(path), compression=COMPRESSION)
-    os.replace(_tmp(path), path)
+    replace_durably(_tmp(path), path)
 
 
 def read_file(path: Path) -> list[dict[str, Any]]:

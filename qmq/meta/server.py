@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
 
 from qmq import metrics
 from qmq.db.engine import create_engine, safe_url
@@ -29,12 +29,12 @@ from qmq.meta.registry import (
     Registry,
     UnknownGroup,
 )
-from qmq.meta.schema import ADDRESS_LEN, KINDS, NAME_LEN
-from qmq.net.server import PeerInfo, Server, run_process, stop_on_signals
+from qmq.meta.schema import ADDRESS_LEN, KINDS
+from qmq.net.server import Server, run_process, stop_on_signals
+from qmq.net.service import Service
 from qmq.protocol.codes import RequestCode
-from qmq.protocol.connection import Request
-from qmq.protocol.errors import ErrorCode, ProtocolError
-from qmq.protocol.limits import GROUP_RE, validate_subject
+from qmq.protocol.fields import bad, choice_field, field
+from qmq.protocol.limits import validate_group, validate_subject
 
 log = logging.getLogger("qmq.meta")
 
@@ -45,13 +45,7 @@ MAX_SWEEP_INTERVAL_S = 1.0  # the liveness sweep runs at least this often (more 
 T = TypeVar("T")
 
 REGISTRY = metrics.new_registry()
-REQUESTS = Counter("qmq_meta_requests_total", "Requests handled by the meta server", ["request"], registry=REGISTRY)
-ERRORS = Counter(
-    "qmq_meta_request_errors_total",
-    "Requests answered with an error frame",
-    ["request", "error"],
-    registry=REGISTRY,
-)
+REQUESTS = metrics.RequestMetrics("qmq_meta", "meta server", REGISTRY)
 SERVERS = Gauge("qmq_meta_servers", "Registered servers", ["kind", "state"], registry=REGISTRY)
 GROUPS = Gauge("qmq_meta_groups", "Broker groups", ["state"], registry=REGISTRY)
 ROUTES = Gauge("qmq_meta_route_groups", "Subject-to-group route entries", registry=REGISTRY)
@@ -65,56 +59,31 @@ DB_UP = Gauge(
 _DB_DOWN_ERRORS = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
 
 
-def _bad(message: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.BAD_REQUEST, message, fatal=False)
-
-
-def _field(body: dict[str, Any], name: str, type_: type, what: str) -> Any:
-    if name not in body:
-        raise _bad(f"missing field {name!r} ({what})")
-    value = body[name]
-    if not isinstance(value, type_) or (type_ is int and isinstance(value, bool)):
-        raise _bad(f"field {name!r} must be {what}, got {type(value).__name__}")
-    return value
-
-
-def _group_name(value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise _bad("field 'group' must be a non-empty string")
-    if len(value) > NAME_LEN or not GROUP_RE.fullmatch(value):
-        raise _bad(
-            f"group {value!r} must be 1-{NAME_LEN} letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    return value
-
-
 def _address(value: object) -> str:
     """A server's `host:port`, as clients will connect to it."""
     if not isinstance(value, str) or not value:
-        raise _bad("field 'address' must be a non-empty 'host:port' string")
+        raise bad("field 'address' must be a non-empty 'host:port' string")
     host, _, port = value.rpartition(":")
     if len(value) > ADDRESS_LEN or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _bad(f"address {value!r} is not 'host:port' with a port from 1 to 65535")
+        raise bad(f"address {value!r} is not 'host:port' with a port from 1 to 65535")
     return value
 
 
-def _body(request: Request) -> dict[str, Any]:
-    if request.body is None:
-        return {}
-    if not isinstance(request.body, dict):
-        raise _bad("the request body must be a map")
-    return request.body
-
-
-class MetaService:
+class MetaService(Service):
     """The request handler (`handle`) and the liveness sweep (`sweep_forever`) over one Registry."""
 
+    name = "meta server"
+    log = log
+    storage = "database"
+    storage_errors = _DB_DOWN_ERRORS
+
     def __init__(self, registry: Registry) -> None:
+        super().__init__(REQUESTS)
         self.registry = registry
         self._db_ok = True
         self._live_servers: set[str] | None = None  # None until the first sweep
         self._live_groups: set[str] | None = None
-        self._handlers: dict[int, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+        self.handlers |= {
             RequestCode.META_REGISTER: self._register,
             RequestCode.META_HEARTBEAT: self._register,
             RequestCode.META_UNREGISTER: self._unregister,
@@ -123,36 +92,13 @@ class MetaService:
             RequestCode.META_LIST: self._list,
         }
 
-    async def handle(self, request: Request, peer: PeerInfo) -> dict[str, Any] | None:
-        try:
-            name = RequestCode(request.code).name
-        except ValueError:
-            name = "unknown"
-        REQUESTS.labels(name).inc()
-        try:
-            if request.code == RequestCode.PING:
-                return request.body
-            handler = self._handlers.get(request.code)
-            if handler is None:
-                raise ProtocolError(
-                    ErrorCode.UNKNOWN_REQUEST, f"the meta server has no request code {request.code}", fatal=False
-                )
-            return await handler(_body(request))
-        except ProtocolError as exc:
-            ERRORS.labels(name, exc.code.name).inc()
-            if exc.code == ErrorCode.BAD_REQUEST:
-                log.debug("bad request %s from %s: %s", name, peer, exc.message)
-            raise
-
     # -- requests -------------------------------------------------------------------------------
 
     async def _register(self, body: dict[str, Any]) -> dict[str, Any]:
-        kind = _field(body, "kind", str, f"one of {', '.join(KINDS)}")
-        if kind not in KINDS:
-            raise _bad(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+        kind = choice_field(body, "kind", KINDS)
         address = _address(body.get("address"))
         external = _address(body["external_address"]) if body.get("external_address") is not None else None
-        group = _group_name(body.get("group")) if kind == "broker" else None
+        group = validate_group(field(body, "group", str)) if kind == "broker" else None
         reg = await self._db(self.registry.heartbeat, address, _kind(kind), group, external)
         if reg.group_created:
             log.info("group %s created", reg.group)
@@ -173,12 +119,8 @@ class MetaService:
         return {"unregistered": known}
 
     async def _route(self, body: dict[str, Any]) -> dict[str, Any]:
-        if "subject" not in body:
-            raise _bad("missing field 'subject'")
-        subject = validate_subject(body["subject"])
-        create = body.get("create", False)
-        if not isinstance(create, bool):
-            raise _bad(f"field 'create' must be a boolean, got {type(create).__name__}")
+        subject = validate_subject(field(body, "subject", str))
+        create = field(body, "create", bool, False)
         route = await self._db(self.registry.route, subject, create=create)
         if route.added:
             all_groups = [g.name for g in route.groups]
@@ -187,12 +129,12 @@ class MetaService:
         return route.to_wire()
 
     async def _set_read_only(self, body: dict[str, Any]) -> dict[str, Any]:
-        group = _group_name(body.get("group"))
-        read_only = _field(body, "read_only", bool, "a boolean")
+        group = validate_group(field(body, "group", str))
+        read_only = field(body, "read_only", bool)
         try:
             changed = await self._db(self.registry.set_read_only, group, read_only)
         except UnknownGroup as exc:
-            raise _bad(str(exc)) from None
+            raise bad(str(exc)) from None
         if changed:
             log.info("group %s is now %s", group, "read-only" if read_only else "writable")
         return {"group": group, "read_only": read_only, "changed": changed}
@@ -203,24 +145,20 @@ class MetaService:
     # -- database access ------------------------------------------------------------------------
 
     async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a blocking registry call in a worker thread; a database that cannot be reached becomes
-        an UNAVAILABLE error frame (logged once per outage)."""
-        try:
-            result = await asyncio.to_thread(fn, *args, **kwargs)
-        except _DB_DOWN_ERRORS as exc:
-            cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-            self._db_down(cause)
-            raise ProtocolError(
-                ErrorCode.UNAVAILABLE, f"the meta server's database is unavailable: {cause}", fatal=False
-            ) from None
+        """Run a blocking registry call in a worker thread. A database that cannot be reached raises
+        one of `storage_errors`: the request is answered UNAVAILABLE (`Service`)."""
+        result = await asyncio.to_thread(fn, *args, **kwargs)
         self._db_up()
         return result
 
-    def _db_down(self, cause: str) -> None:
+    def storage_failed(self, exc: BaseException) -> str:
+        """The database cannot be reached: the gauge goes to 0, a line is logged once per outage."""
+        cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         DB_UP.set(0)
         if self._db_ok:
             self._db_ok = False
             log.error("database unavailable: %s", cause)
+        return cause
 
     def _db_up(self) -> None:
         DB_UP.set(1)
@@ -240,7 +178,8 @@ class MetaService:
     async def sweep(self) -> None:
         try:
             servers, groups, route_entries = await self._db(self._read_state)
-        except ProtocolError:  # the database is down: logged by _db, try again next time
+        except _DB_DOWN_ERRORS as exc:  # try again next time
+            self.storage_failed(exc)
             return
         except Exception:
             log.exception("liveness sweep failed")

@@ -1,5 +1,5 @@
 """The asyncio server helper every qmq server is built on: it speaks the wire protocol and calls one
-handler per request.
+handler per request (for the shipped servers, `Service.handle` of `qmq/net/service.py`).
 
 Promises: requests on one connection are handled concurrently (replies may go out of order), at most
 MAX_IN_FLIGHT_PER_CONNECTION at a time per connection (beyond that the connection is not read, so TCP

@@ -1,17 +1,15 @@
 """Checkpoints: how far the derived logs (consume logs, key index) are known complete and durable.
 
-Recovery replays only the message log after the checkpoint. A checkpoint is written to a temporary
-file, fsynced and renamed over the previous one, so a crash leaves either the old or the new one whole.
+Recovery replays only the message log after the checkpoint. A checkpoint is a JSON file written
+atomically (`files.py`), so a crash leaves either the old or the new one whole.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qmq.store.segment import fsync_dir
+from qmq.store.files import read_json, write_json
 
 FILE_NAME = "checkpoint.json"
 VERSION = 1
@@ -31,10 +29,10 @@ class CheckpointError(ValueError):
 def load(directory: Path) -> Checkpoint | None:
     """The last checkpoint, or None if there is none yet."""
     path = directory / FILE_NAME
-    if not path.exists():
-        return None
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
+        if data is None:
+            return None
         if data.get("version") != VERSION:
             raise CheckpointError(f"{path}: checkpoint version {data.get('version')} is not {VERSION}")
         return Checkpoint(offset=int(data["offset"]), next_seq=dict(data["next_seq"]), index=data.get("index"))
@@ -44,17 +42,7 @@ def load(directory: Path) -> Checkpoint | None:
 
 def save(directory: Path, checkpoint: Checkpoint) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / FILE_NAME
-    tmp = directory / (FILE_NAME + ".tmp")
-    data = json.dumps(
+    write_json(
+        directory / FILE_NAME,
         {"version": VERSION, "offset": checkpoint.offset, "next_seq": checkpoint.next_seq, "index": checkpoint.index},
-        separators=(",", ":"),
     )
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(directory)

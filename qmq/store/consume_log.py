@@ -13,7 +13,8 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
-from qmq.store.segment import fsync_dir, list_segments, segment_name
+from qmq.store.files import fsync_dir
+from qmq.store.segment import list_segments, segment_name
 
 ENTRY = struct.Struct(">HBBIQQQ")  # magic, attr, reserved, size, offset, tag_mask, store_ts
 ENTRY_SIZE = ENTRY.size  # 32

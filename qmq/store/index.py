@@ -14,7 +14,8 @@ import os
 import struct
 from pathlib import Path
 
-from qmq.store.segment import fsync_dir, list_segments, segment_name
+from qmq.store.files import TMP_SUFFIX, replace_durably, tmp_path
+from qmq.store.segment import list_segments, segment_name
 
 FILE_MAGIC = 0x514D4958  # "QMIX"
 HEADER = struct.Struct(">IIIIQ")  # magic, slot_count, capacity, count, last_offset
@@ -23,7 +24,6 @@ SLOT = struct.Struct(">I")  # entry number + 1; 0 = empty
 ENTRY = struct.Struct(">QQI")  # hash, message-log offset, previous entry number + 1
 DEFAULT_SLOTS = 1 << 22  # 16 MiB of slots
 DEFAULT_CAPACITY = 1 << 24  # 320 MiB of entries, allocated sparsely
-TMP_SUFFIX = ".tmp"
 MAX_CHAIN = 1 << 16  # a chain longer than this is corruption, not load
 
 
@@ -110,15 +110,14 @@ class IndexFile:
 def _create(path: Path, slots: int, capacity: int) -> None:
     """Make a sized, initialised index file under a temporary name, then rename it into place, so a
     crash never leaves a half-made index file behind (only a `.tmp` that the next open removes)."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
+    tmp = tmp_path(path)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, HEADER_SIZE + slots * SLOT.size + capacity * ENTRY.size)
         os.pwrite(fd, HEADER.pack(FILE_MAGIC, slots, capacity, 0, 0), 0)
     finally:
         os.close(fd)
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
+    replace_durably(tmp, path)
 
 
 class KeyIndex:

@@ -15,7 +15,8 @@ from itertools import accumulate
 from pathlib import Path
 
 from qmq.store import record as rec
-from qmq.store.segment import Segment, fsync_dir, list_segments
+from qmq.store.files import fsync_dir
+from qmq.store.segment import Segment, list_segments
 
 log = logging.getLogger("qmq.store")
 
@@ -138,6 +139,30 @@ class MessageLog:
                     raise rec.RecordError(offset, f"{segment.path}: {exc.reason}") from None
             i = j
         return out
+
+    def read_bytes(self, start: int, end: int) -> bytes:
+        """The log's bytes from `start` to `end`, both record boundaries: whole records, as written
+        (a record never spans segments, a range may)."""
+        segment = self.segment_for(start)
+        if segment is not None and end <= segment.end:
+            return segment.read(start - segment.base, end - start)
+        chunks = []
+        while start < end:
+            segment = self.segment_for(start)
+            if segment is None:
+                raise rec.RecordError(start, f"no segment holds offset {start}")
+            upto = min(end, segment.end)
+            chunks.append(segment.read(start - segment.base, upto - start))
+            start = upto
+        return b"".join(chunks)
+
+    def scan(self, start: int) -> Iterator[rec.Record]:
+        """Every record from offset `start` (a record boundary) to the end, CRC-checked."""
+        with self._lock:
+            segments = list(self.segments)
+        for segment in segments:
+            if segment.end > start:
+                yield from scan_segment(segment, max(start, segment.base))
 
     def remove_segments_before(self, offset: int) -> list[Segment]:
         """Drop (and delete) whole segments that end at or before `offset`; never the active one."""

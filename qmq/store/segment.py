@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from qmq.store.files import fsync_dir, pwrite_all
+
 NAME_DIGITS = 20
 
 
@@ -24,15 +26,6 @@ def list_segments(directory: Path, suffix: str = "") -> list[tuple[int, Path]]:
             if len(stem) == NAME_DIGITS and stem.isdigit() and (not suffix or path.name.endswith(suffix)):
                 found.append((int(stem), path))
     return sorted(found)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a file creation, rename or deletion in `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Segment:
@@ -52,9 +45,7 @@ class Segment:
         return self.base + self.size
 
     def append(self, data: bytes) -> None:
-        written = os.pwrite(self.fd, data, self.size)
-        while written < len(data):  # short writes are rare but legal
-            written += os.pwrite(self.fd, memoryview(data)[written:], self.size + written)
+        pwrite_all(self.fd, data, self.size)
         self.size += len(data)
 
     def read(self, position: int, size: int) -> bytes:

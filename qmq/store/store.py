@@ -14,13 +14,12 @@ Layout of a data directory (docs/formats.md):
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -30,11 +29,11 @@ from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subjec
 from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
 from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, Entry, pack_entry
+from qmq.store.files import fsync_dir, read_json, write_json
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
-from qmq.store.segment import fsync_dir
 
 log = logging.getLogger("qmq.store")
 
@@ -94,7 +93,13 @@ class ReadResult:
 
 
 class LogStore:
-    """Open with `LogStore(data_dir, config)`; close with `close()` (or use as a context manager)."""
+    """Open with `LogStore(data_dir, config)`; close with `close()` (or use as a context manager).
+
+    What servers use, and all they use: `append` (with `GroupCommit` in group_commit.py on an event
+    loop), `durable` / `flushed` / `durable_offset`; per subject `read`, `records`, `entries`,
+    `next_seq`, `first_seq`, `subjects`; by id or key `find_by_id`, `find_by_key`; the message log as
+    such `start_offset`, `end_offset`, `read_bytes`, `scan`, `read_record`. `message_log`, `flusher`
+    and `index` are the store's own parts (its tests look at them)."""
 
     def __init__(self, data_dir: str | os.PathLike, config: StoreConfig | None = None) -> None:
         self.data_dir = Path(data_dir)
@@ -287,13 +292,17 @@ class LogStore:
                 raise StoreError(f"bad message in batch: {exc}") from exc
             try:
                 self.message_log.append(encoded)  # offsets are continuous across segments: as computed
+                for subject, (first, entries) in runs.items():
+                    self._consume_log(subject).write(first, b"".join(entries))
+                self.index.add(index_pairs)
             except OSError as exc:  # disk full, I/O error: a partial record may be on disk
                 self._failed = exc
-                log.critical("message log append failed, the store is read-only until reopened: %s", exc)
+                log.critical(
+                    "append failed, the store is read-only until reopened (which cuts a partial record and "
+                    "derives the consume logs and index again from the message log): %s",
+                    exc,
+                )
                 raise StoreError(f"append failed: {exc}") from exc
-            for subject, (first, entries) in runs.items():
-                self._consume_log(subject).write(first, b"".join(entries))
-            self.index.add(index_pairs)
         return results
 
     def _check_writable(self) -> None:
@@ -342,11 +351,43 @@ class LogStore:
     def wait_durable(self, offset: int, timeout: float | None = None) -> None:
         self.flusher.wait_durable(offset, timeout)
 
+    @property
+    def durable_offset(self) -> int:
+        """Everything before this message-log offset is on disk."""
+        return self.flusher.durable_offset
+
     async def durable(self, offset: int) -> None:
+        """Await what an acknowledgement needs for everything before `offset`: its fsync in sync
+        flush mode; nothing in async mode (the next periodic flush covers it)."""
         if self.config.flush is FlushMode.SYNC:
             await self.flusher.durable(offset)
 
+    async def flushed(self, offset: int) -> None:
+        """Await the fsync of everything before `offset`, whatever the flush mode: for state saved
+        beside the log (a snapshot) that must never get ahead of it."""
+        await self.flusher.durable(offset)
+
     # ---- reading ----------------------------------------------------------------------------
+
+    @property
+    def start_offset(self) -> int:
+        """The message log's first offset still held (retention removes whole segments)."""
+        return self.message_log.start_offset
+
+    def read_bytes(self, start: int, end: int) -> bytes:
+        """The message log's bytes from `start` to `end` (record boundaries): records exactly as
+        stored, CRCs included, for copies that must stay byte for byte the same."""
+        return self.message_log.read_bytes(start, end)
+
+    @property
+    def end_offset(self) -> int:
+        """The message log's end: the offset the next record gets."""
+        return self.message_log.end_offset
+
+    def scan(self, start: int) -> Iterator[rec.Record]:
+        """Every record of the message log from offset `start` (a record boundary) to its end, in
+        log order, CRC-checked (`RecordError` at the first bad one)."""
+        return self.message_log.scan(max(start, self.message_log.start_offset))
 
     def subjects(self) -> dict[str, int]:
         """Each subject's next sequence (= number of messages ever stored in it)."""
@@ -419,6 +460,17 @@ class LogStore:
     def read_record(self, offset: int) -> rec.Record:
         return self.message_log.read_record(offset)
 
+    def records(self, subject: str, seqs: Sequence[int]) -> list[rec.Record]:
+        """The records of `subject` at consume-log sequences `seqs`, in that order, leaving out those
+        retention removed and holes."""
+        spans = []
+        start = self.message_log.start_offset
+        for seq in seqs:
+            entries = self.entries(subject, seq, 1)
+            if entries and entries[0] is not None and entries[0].offset >= start:
+                spans.append((entries[0].offset, entries[0].size))
+        return [r for r in self.message_log.read_records(spans) if not r.is_blank]
+
     def find_by_id(self, message_id: str) -> rec.Record | None:
         """The record with this message id, or None; a bounded number of reads (index.py)."""
         for offset in self.index.find(rec.key_hash(message_id.encode())):
@@ -470,7 +522,10 @@ class LogStore:
             return self._checkpointed.wait_for(lambda: self.checkpoint_offset >= offset, timeout)
 
     def checkpoint(self) -> None:
-        """Make the derived logs durable up to the current end and record it."""
+        """Make the derived logs durable up to the current end and record it. Not after a failed
+        append: the derived logs may lack its records, which the next open derives again."""
+        if self._failed is not None:
+            return
         snapshot = self._snapshot()
         self.flusher.wait_durable(snapshot[0].offset)
         self._save_checkpoint(snapshot)
@@ -528,7 +583,7 @@ class LogStore:
         if self._background is not None:
             self._background.join()
         self.flusher.close()
-        if self.flusher.error is None:
+        if self.flusher.error is None and self._failed is None:
             self._save_checkpoint(self._snapshot())
         with self._lock:
             self._close_files()
@@ -577,14 +632,12 @@ def _fixed_format(data_dir: Path, config: StoreConfig) -> StoreConfig:
     """Settings that decide where bytes live cannot change after a store is created: keep the first
     ones in `store.json` and use them on every later open."""
     path = data_dir / FORMAT_FILE
-    if path.exists():
-        saved = json.loads(path.read_text())
+    saved = read_json(path)
+    if saved is not None:
         if saved.get("format") != FORMAT_VERSION:
             raise StoreError(f"{path}: store format {saved.get('format')} is not {FORMAT_VERSION}")
         return replace(config, consume_segment_entries=saved["consume_segment_entries"])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT_VERSION, "consume_segment_entries": config.consume_segment_entries}))
-    os.replace(tmp, path)
+    write_json(path, {"format": FORMAT_VERSION, "consume_segment_entries": config.consume_segment_entries})
     return config
 
 

@@ -86,8 +86,8 @@ def reconcile(spark, out: Path, outbox_dbs: list[str], ledger: Path, since: date
 def export_all(stores: list[Path], ledger: Path) -> None:
     """`qmq ledger export` of each store into one ledger (in this process: the command itself is
     tested in test_ledger.py)."""
-    from qmq.ledger.export import export
+    from qmq.cli.ledger import export_store
 
     for store in stores:
-        report = export(store, ledger)
+        report = export_store(store, ledger)
         assert not report.problems, report.problems

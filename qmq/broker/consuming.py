@@ -1,0 +1,289 @@
+"""Consumer requests: BROKER_PULL (long polling), BROKER_ACK, BROKER_NACK and BROKER_HEARTBEAT.
+
+A pull hands a consumer its group's next messages, due retries first, journals the pull and replies
+once that is durable; it waits (up to `wait_ms`) for new messages when there are none. Acks move the
+consumer's ack offset; a nack schedules a retry after the delay asked for, or dead-letters the
+message. Promises: a message is never handed to two live consumers of a group at once; an ack or
+nack naming a group or consumer this broker never served is UNKNOWN_CONSUMER (and closes the
+connection: the client's state is not this broker's); the acks of one request before a bad one are
+kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from qmq.broker.consumer_group import ConsumerGroup, UnknownConsumer
+from qmq.broker.core import BrokerCore
+from qmq.broker.journal import Create, Entry, GroupAction, Schedule
+from qmq.broker.system_subjects import dead_subject, delivery, retry_subject, unwrap, wrap
+from qmq.protocol.errors import ErrorCode, ProtocolError
+from qmq.protocol.fields import bad, choice_field, field, int_field
+from qmq.protocol.limits import (
+    MAX_PULL_MESSAGES,
+    MAX_PULL_WAIT_MS,
+    Limits,
+    validate_consumer,
+    validate_group,
+    validate_subject,
+    validate_tags,
+)
+from qmq.store import record as rec
+from qmq.store.store import Message
+
+log = logging.getLogger("qmq.broker")
+
+DEFAULT_PULL_MAX = 64  # messages
+DEFAULT_WAIT_MS = 2500  # long polling
+MAX_NACK_DELAY_MS = 10 * 365 * 86400 * 1000
+MAX_NACK_ATTEMPTS = 1_000_000
+MAX_REASON_LEN = 1000  # characters of a nack's reason kept
+
+
+def broadcast_key(group: str, consumer: str) -> str:
+    """A broadcast consumer's own group key: short, so retry subjects stay valid names."""
+    return f"{group}.bc-{hashlib.sha1(consumer.encode()).hexdigest()[:12]}"
+
+
+def unknown(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.UNKNOWN_CONSUMER, message, fatal=True)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """A BROKER_PULL body, checked."""
+
+    subject: str
+    key: str  # the group, or a broadcast consumer's own key
+    consumer: str
+    max_count: int
+    wait_ms: int
+    tags: tuple[str, ...]
+    match_all: bool
+    broadcast: bool
+    start: str  # where a new group starts: "latest" or "earliest"
+    pulled: dict[str, int]  # stored subject -> the last pull sequence the consumer has seen
+
+    @classmethod
+    def of(cls, body: dict[str, Any], limits: Limits) -> PullRequest:
+        subject = validate_subject(field(body, "subject", str), limits=limits)
+        group = validate_group(body.get("group"))
+        consumer = validate_consumer(body.get("consumer"))
+        max_count = int_field(body, "max", DEFAULT_PULL_MAX, 1, MAX_PULL_MESSAGES)
+        wait_ms = int_field(body, "wait_ms", DEFAULT_WAIT_MS, 0, MAX_PULL_WAIT_MS)
+        tags = validate_tags(field(body, "tags", list, []))
+        match_all = bool(body.get("match_all", False))
+        broadcast = bool(body.get("broadcast", False))
+        start = choice_field(body, "start", ("latest", "earliest"), "latest")
+        pulled = field(body, "pulled", dict, {})
+        for stored, last in pulled.items():
+            if not isinstance(stored, str) or not isinstance(last, int) or isinstance(last, bool):
+                raise bad(f"pulled must map stored subjects to pull sequences, got {stored!r}: {last!r}")
+        key = broadcast_key(group, consumer) if broadcast else group
+        if len(retry_subject(subject, key)) > limits.max_subject_len:
+            raise bad(
+                f"subject {subject!r} and group {key!r} together are too long for the retry subject "
+                f"(at most {limits.max_subject_len} characters)"
+            )
+        return cls(subject, key, consumer, max_count, wait_ms, tags, match_all, broadcast, start, pulled)
+
+
+class Consuming:
+    def __init__(self, core: BrokerCore) -> None:
+        self.core = core
+
+    # ---- pull -----------------------------------------------------------------------------------
+
+    async def pull(self, body: dict[str, Any]) -> dict[str, Any]:
+        pull = PullRequest.of(body, self.core.limits)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + pull.wait_ms / 1000
+        while True:
+            batches, end = self._take(pull)
+            if end is not None:
+                await self.core.store.durable(end)
+            if batches:
+                return {"batches": batches}
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await self.core.wait_for_messages(pull.subject, remaining):
+                return {"batches": []}
+
+    def _take(self, pull: PullRequest) -> tuple[list[dict], int | None]:
+        """Hand the consumer its next messages: due retries first, then the subject. Returns the
+        batches and the log offset to await before replying (None when nothing was journalled).
+        Whatever was applied is journalled, even when a read fails half-way."""
+        entries: list[Entry] = []
+        batches: list[dict] = []
+        try:
+            self._take_into(entries, batches, pull)
+        finally:
+            end = self.core.commit(entries) if entries else None
+        return batches, end
+
+    def _take_into(self, entries: list[Entry], batches: list[dict], pull: PullRequest) -> None:
+        core, store = self.core, self.core.store
+        now = core.clock()
+        remaining = pull.max_count
+        retry = retry_subject(pull.subject, pull.key)
+        for stored in (retry, pull.subject):
+            group = core.state.group(stored, pull.key)
+            if group is None:
+                if stored == retry and not store.next_seq(retry):
+                    continue
+                if stored == retry:
+                    cursor = 0
+                else:
+                    cursor = store.first_seq(stored) if pull.start == "earliest" else store.next_seq(stored)
+                create = Create(stored, pull.key, cursor, pull.broadcast)
+                core.state.apply(create, now)
+                entries.append(create)
+                group = core.state.groups[(stored, pull.key)]
+            if remaining <= 0:
+                break
+            fresh: dict[int, rec.Record] = {}
+
+            def read(cursor: int, count: int, stored: str = stored, fresh: dict = fresh) -> tuple[list[int], int]:
+                result = store.read(stored, cursor, count, tags=pull.tags, match_all=pull.match_all)
+                for record in result.records:
+                    fresh[record.seq] = record
+                return [r.seq for r in result.records], result.next_seq
+
+            handed, action = group.pull(pull.consumer, pull.pulled.get(stored, -1), remaining, read, now)
+            if action is not None:
+                entries.append(GroupAction(stored, pull.key, action))
+            if handed.seqs:
+                records = [fresh[s] for s in handed.seqs] if not handed.resent else store.records(stored, handed.seqs)
+                batches.append(
+                    {
+                        "subject": stored,
+                        "group": pull.key,
+                        "first_pull": handed.first_pull,
+                        "resent": handed.resent,
+                        "messages": [delivery(r) for r in records],
+                    }
+                )
+                remaining -= len(handed.seqs)
+
+    # ---- ack, nack, heartbeat ---------------------------------------------------------------------
+
+    def _known_group(self, stored: Any, key: Any) -> ConsumerGroup:
+        group = self.core.state.group(stored, key) if isinstance(stored, str) and isinstance(key, str) else None
+        if group is None:
+            raise unknown(f"group {key!r} never pulled {stored!r} from this broker")
+        return group
+
+    async def ack(self, body: dict[str, Any]) -> dict[str, Any]:
+        entries: list[Entry] = []
+        now = self.core.clock()
+        acks = field(body, "acks", list)
+        error: ProtocolError | None = None
+        for item in acks:  # all checked before any is applied
+            if (
+                not isinstance(item, list | tuple)
+                or len(item) != 4
+                or not isinstance(item[3], int)
+                or isinstance(item[3], bool)
+            ):
+                raise bad("each ack must be [subject, group, consumer, last_pull]")
+            validate_consumer(item[2])
+            self._known_group(item[0], item[1])
+        for stored, key, consumer, last_pull in acks:
+            group = self._known_group(stored, key)
+            try:
+                action = group.ack(consumer, last_pull, now)
+            except UnknownConsumer as exc:
+                error = unknown(str(exc))
+                break
+            except ValueError as exc:
+                error = unknown(f"consumer {consumer!r} of group {key!r} on {stored!r}: {exc}")
+                break
+            if action is not None:
+                entries.append(GroupAction(stored, key, action))
+        if entries:  # the acks before a bad one are applied: journal them too
+            end = self.core.commit(entries)
+            if error is not None:
+                raise error
+            await self.core.store.durable(end)
+        elif error is not None:
+            raise error
+        return {}
+
+    async def nack(self, body: dict[str, Any]) -> dict[str, Any]:
+        core = self.core
+        outcomes: list[list[Any]] = []
+        entries: list[Entry] = []
+        dead: list[Message] = []
+        now = core.clock()
+        for item in field(body, "nacks", list):
+            if not isinstance(item, dict):
+                raise bad("each nack must be a map")
+            stored, key = item.get("subject"), item.get("group")
+            consumer = validate_consumer(item.get("consumer"))
+            group = self._known_group(stored, key)
+            pull_seq = field(item, "pull_seq", int)
+            attempt = field(item, "attempt", int, 1)
+            delay_ms = int_field(item, "delay_ms", 0, 0, MAX_NACK_DELAY_MS)
+            max_attempts = int_field(item, "max_attempts", core.max_attempts, 1, MAX_NACK_ATTEMPTS)
+            reason = str(item.get("reason") or "")[:MAX_REASON_LEN]
+            state = group.consumers.get(consumer)
+            if state is None:
+                raise unknown(f"consumer {consumer!r} never pulled {stored!r} as group {key!r}")
+            if pull_seq < state.pull_log.ack_seq:
+                outcomes.append(["acked", None])  # already done: nothing to retry
+                continue
+            try:
+                seq = state.pull_log.lookup(pull_seq, pull_seq)[0]
+            except KeyError as exc:
+                raise unknown(f"consumer {consumer!r}: {exc}") from None
+            state.last_seen = now
+            records = core.store.records(stored, [seq])
+            if not records:
+                outcomes.append(["gone", None])  # removed by retention
+                continue
+            record = records[0]
+            original = unwrap(record)
+            attempt = max(attempt, original.attempt)
+            if item.get("dead") or attempt >= max_attempts:
+                why = reason or f"failed {attempt} attempts"
+                dead.append(wrap(record, dead_subject(original.subject, key), attempt, why))
+                outcomes.append(["dead", None])
+            else:
+                due_ms = int(now * 1000) + delay_ms
+                entries.append(
+                    Schedule(
+                        core.state.retries.next_id + len(entries),
+                        due_ms,
+                        record.offset,
+                        attempt + 1,
+                        retry_subject(original.subject, key),
+                        reason,
+                    )
+                )
+                outcomes.append(["retry", due_ms])
+        end = 0
+        if dead:
+            appended = core.store.append(dead)
+            end = appended[-1].end
+            for outcome, message in zip((o for o in outcomes if o[0] == "dead"), appended, strict=True):
+                outcome[1] = message.seq
+            log.info("%d messages dead-lettered", len(dead))
+        if entries:
+            end = core.apply_and_commit(entries)
+            core.retries_changed.set()
+        if end:
+            await core.store.durable(end)
+        return {"outcomes": outcomes}
+
+    async def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        now = self.core.clock()
+        for item in field(body, "consumers", list):
+            if not (isinstance(item, list | tuple) and len(item) == 3 and all(isinstance(x, str) for x in item)):
+                raise bad("each heartbeat must be [subject, group, consumer]")
+            group = self.core.state.group(item[0], item[1])
+            if group is not None:
+                group.heartbeat(item[2], now)
+        return {}

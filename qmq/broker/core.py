@@ -1,0 +1,92 @@
+"""What every part of the broker works on: the store, the consumption state, the journal through
+which that state changes, and the pulls waiting for new messages (docs/broker.md).
+
+Everything runs on the event loop thread. A change to the state is applied, then journalled in one
+record of the `%ACTION%` subject (`commit`); whoever made it awaits the durability of the offset
+`commit` returns before replying, so a change is never acknowledged before it would survive a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+from qmq.broker import journal
+from qmq.broker.journal import Entry
+from qmq.broker.state import BrokerState
+from qmq.protocol.limits import ACTION_SUBJECT, DEFAULT_LIMITS, Limits
+from qmq.store import record as rec
+from qmq.store.store import LogStore, Message
+
+DEFAULT_CONSUMER_TIMEOUT_S = 60.0  # a consumer silent this long loses its unacked messages to its group
+DEFAULT_MAX_ATTEMPTS = 32  # then a message goes to the dead-letter subject
+
+Clock = Callable[[], float]
+
+
+class BrokerCore:
+    def __init__(
+        self,
+        store: LogStore,
+        state: BrokerState,
+        *,
+        consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        limits: Limits = DEFAULT_LIMITS,
+        clock: Clock = time.time,
+    ) -> None:
+        self.store, self.state, self.clock = store, state, clock
+        self.consumer_timeout_s = consumer_timeout_s
+        self.max_attempts = max_attempts
+        self.limits = limits
+        self.group_name = ""  # known once the process listens (broker-<port> by default)
+        self.read_only = False  # set by the meta server: sends go to other groups
+        self.retries_changed = asyncio.Event()  # a retry was scheduled: the retry loop looks again
+        self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)  # subject -> waiting pulls
+
+    # ---- the journal ----------------------------------------------------------------------------
+
+    def commit(self, entries: list[Entry]) -> int:
+        """Journal `entries`, already applied; the log offset whose durability covers them."""
+        appended = self.store.append([Message(ACTION_SUBJECT, f"%a{self.state.journal_seq}", journal.encode(entries))])
+        self.state.journal_seq = appended[0].seq + 1
+        return appended[0].end
+
+    def apply_and_commit(self, entries: list[Entry]) -> int:
+        now = self.clock()
+        for entry in entries:
+            self.state.apply(entry, now)
+        return self.commit(entries)
+
+    # ---- pulls waiting for messages ---------------------------------------------------------------
+
+    async def wait_for_messages(self, subject: str, timeout_s: float) -> bool:
+        """Wait until a message of `subject` (or of its retry subjects) is stored; False after
+        `timeout_s` without one."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiters[subject].add(future)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await future
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiters.get(subject, set()).discard(future)
+
+    def wake(self, subjects: Iterable[str]) -> None:
+        """Messages of `subjects` were stored: wake the pulls waiting for them."""
+        for subject in subjects:
+            for future in self._waiters.pop(subject, ()):
+                if not future.done():
+                    future.set_result(None)
+
+    # ---- reading --------------------------------------------------------------------------------
+
+    def record_at(self, offset: int) -> rec.Record | None:
+        """The record at message-log `offset`, or None if retention removed it."""
+        if offset < self.store.start_offset:
+            return None
+        return self.store.read_record(offset)

@@ -1,0 +1,47 @@
+"""BROKER_SEND: each message of a send is checked on its own (a bad one is rejected, the others
+stored); the sends of one loop iteration are stored together and acknowledged once durable (group
+commit, `qmq.store.group_commit`). A read-only broker group takes none: the client sends elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qmq.broker import metrics
+from qmq.broker.core import BrokerCore
+from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
+from qmq.protocol.fields import field
+from qmq.protocol.limits import validate_sent_message
+from qmq.store.group_commit import GroupCommit
+from qmq.store.store import Message
+
+
+class Sending:
+    def __init__(self, core: BrokerCore) -> None:
+        self.core = core
+        self._valid_subjects: set[str] = set()
+        # Waiting pulls are woken once the messages are appended, not once they are durable: a pull's
+        # reply waits for its own journal entry, which follows them in the same log, so one fsync
+        # covers both.
+        self.group_commit = GroupCommit(core.store, on_appended=lambda stored: core.wake({m.subject for m in stored}))
+
+    async def send(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages = field(body, "messages", list)
+        if self.core.read_only:
+            raise RemoteError(ErrorCode.READ_ONLY, f"broker group {self.core.group_name} is read-only: send elsewhere")
+        batch: list[Message] = []
+        rejected: list[list[Any]] = []
+        for index, item in enumerate(messages):
+            try:
+                m = validate_sent_message(item, self.core.limits, self._valid_subjects)
+            except ProtocolError as exc:
+                rejected.append([index, int(exc.code), exc.message])
+                continue
+            batch.append(Message(m.subject, m.id, m.payload, m.key, m.tags))
+        if batch:
+            await self.group_commit.write(batch)
+            if len(batch) == 1:
+                metrics.STORED.by_subject[batch[0].subject] += 1
+            else:
+                metrics.STORED.by_subject.update(m.subject for m in batch)
+        return {"stored": len(batch), "rejected": rejected}

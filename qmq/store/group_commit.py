@@ -1,0 +1,113 @@
+"""Group commit on an event loop: the writes that arrive in one loop iteration share one store append
+and one durability wait, so many small requests in flight cost one write per log and one fsync, not
+one each. Used by the broker's and the delay server's sends.
+
+Promises: a write's messages are appended together with the others of its iteration, in the order
+the writes came; `write` returns their positions only once they are durable (per the store's flush
+mode); `on_appended` runs right after each append with the messages appended, `on_durable` once
+they are durable with where they went, group after group in message-log order, before the writes
+return (an error it raises fails them). A store that cannot append or make durable fails every
+write of the group with its error (`StoreError`, `FlushFailed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from qmq.store.store import Appended, LogStore, Message
+
+Written = list[tuple[Appended, Message]]  # where each message went, in log order
+
+
+class _Group:
+    """The writes of one loop iteration, appended together."""
+
+    __slots__ = ("end", "futures", "written")
+
+    def __init__(self, end: int, written: list[Written], futures: list[asyncio.Future[list[Appended]]]) -> None:
+        self.end = end  # durable once the log is durable up to here
+        self.written = written
+        self.futures = futures
+
+
+class GroupCommit:
+    def __init__(
+        self,
+        store: LogStore,
+        *,
+        on_appended: Callable[[list[Message]], None] | None = None,
+        on_durable: Callable[[Written], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.on_appended = on_appended
+        self.on_durable = on_durable
+        self._waiting: list[tuple[Sequence[Message], asyncio.Future[list[Appended]]]] = []  # this iteration
+        self._groups: deque[_Group] = deque()  # appended, not yet durable, in log order
+        self._settling: set[asyncio.Task[None]] = set()
+
+    def write(self, messages: Sequence[Message]) -> asyncio.Future[list[Appended]]:
+        """Append `messages` with every other write of this loop iteration; the future resolves to
+        their positions once they are durable."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Appended]] = loop.create_future()
+        if not self._waiting:
+            loop.call_soon(self._append)
+        self._waiting.append((messages, future))
+        return future
+
+    async def close(self) -> None:
+        """Wait for the writes appended so far to settle (a request cut short still gets its
+        messages through `on_durable`)."""
+        while self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    def _append(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        messages = [m for batch, _ in waiting for m in batch]
+        try:
+            appended = self.store.append(messages)
+        except Exception as exc:
+            for _, future in waiting:
+                _fail(future, exc)
+            return
+        written, i = [], 0
+        for batch, _ in waiting:
+            written.append(list(zip(appended[i : i + len(batch)], batch, strict=True)))
+            i += len(batch)
+        self._groups.append(_Group(appended[-1].end, written, [f for _, f in waiting]))
+        if self.on_appended is not None:
+            self.on_appended(messages)
+        task = asyncio.get_running_loop().create_task(self._settle(appended[-1].end))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, end: int) -> None:
+        """Await durability up to `end`, then settle every group before it, oldest first."""
+        try:
+            await self.store.durable(end)
+            error = None
+        except Exception as exc:
+            error = exc
+        while self._groups and self._groups[0].end <= end:
+            group = self._groups.popleft()
+            outcome = error
+            if outcome is None and self.on_durable is not None:
+                try:
+                    self.on_durable([item for written in group.written for item in written])
+                except Exception as exc:
+                    outcome = exc
+            for written, future in zip(group.written, group.futures, strict=True):
+                if outcome is not None:
+                    _fail(future, outcome)
+                elif not future.done():
+                    future.set_result([appended for appended, _ in written])
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+        with contextlib.suppress(BaseException):
+            future.exception()  # a request that gave up waiting must not log "never retrieved"
