@@ -29,7 +29,7 @@ from qmq.net.service import Service
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from qmq.protocol.fields import bad, field
-from qmq.protocol.limits import DEFAULT_LIMITS, MAX_MESSAGE_ID_LEN, Limits, validate_sent_message
+from qmq.protocol.limits import DEFAULT_LIMITS, MAX_MESSAGE_ID_LEN, Limits, validate_sent_message, validate_subject
 from qmq.store.flush import FlushFailed
 from qmq.store.group_commit import GroupCommit, Written
 from qmq.store.store import LogStore, Message, StoreError
@@ -82,6 +82,7 @@ class DelayService(Service):
             RequestCode.DELAY_SEND: self._send,
             RequestCode.DELAY_CANCEL: self._cancel,
             RequestCode.DELAY_STATS: self._stats,
+            RequestCode.DELAY_LOOKUP: self._lookup,
         }
 
     # ---- recovery, background, stop ---------------------------------------------------------------
@@ -246,6 +247,44 @@ class DelayService(Service):
         stats["max_delay_ms"] = self.max_delay_ms
         stats["filed_upto"] = self.filed_upto
         return stats
+
+    async def _lookup(self, body: dict[str, Any]) -> dict[str, Any]:
+        """DELAY_LOOKUP (`qmq admin lookup`): the delayed messages with this "id", or with this
+        "subject" and "key", and where each stands: "pending" (due later), "cancelled", "delivered"
+        (its bucket is done) or "due" (due, delivered or being delivered: the brokers know which)."""
+        if body.get("id") is not None:
+            message_id = field(body, "id", str)
+            found = await asyncio.to_thread(self.store.find_all_by_id, message_id)
+        else:
+            subject = validate_subject(field(body, "subject", str), limits=self.limits)
+            found = await asyncio.to_thread(self.store.find_by_key, subject, field(body, "key", str))
+        now = self.clock.now_ms()
+        messages = []
+        for record in found:
+            if not record.flags & records.DELAYED:
+                continue
+            due = records.due_of(record.payload)
+            if record.message_id in self.cancels:
+                state = "cancelled"
+            elif due > now:
+                state = "pending"
+            elif self.schedule.start_of(due) in self.scheduler.done:
+                state = "delivered"
+            else:
+                state = "due"
+            messages.append(
+                {
+                    "id": record.message_id,
+                    "subject": record.subject,
+                    "key": record.key,
+                    "tags": list(record.tags),
+                    "payload": records.body_of(record.payload),
+                    "stored_at": record.store_ts,
+                    "deliver_at": due,
+                    "state": state,
+                }
+            )
+        return {"messages": messages}
 
     def _check_healthy(self) -> None:
         if self.failed is not None:

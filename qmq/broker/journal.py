@@ -19,7 +19,7 @@ import msgpack
 
 from qmq.broker.consumer_group import Ack, Pull, Release, Reset
 
-CREATE, RESET, PULL, ACK, RELEASE, SCHEDULE, FIRED, REDRIVEN = "C", "R", "P", "A", "L", "S", "F", "D"
+CREATE, RESET, PULL, ACK, RELEASE, SCHEDULE, FIRED, REDRIVEN, DELETE = "C", "R", "P", "A", "L", "S", "F", "D", "X"
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,28 @@ class Fired:
 
 @dataclass(frozen=True)
 class Redriven:
-    """Dead letters of `dead_subject` below `upto` were sent back to their group."""
+    """Dead letters of `dead_subject` below `upto`, and those at sequences `seqs`, were sent back to
+    their group, or thrown away (`purged`, `qmq admin dead purge`)."""
 
     dead_subject: str
     upto: int
+    seqs: tuple[int, ...] = ()
+    purged: bool = False
 
 
-Entry = Create | GroupAction | Schedule | Fired | Redriven
+@dataclass(frozen=True)
+class Delete:
+    """The consumer group `key` of `subject` was deleted (`qmq admin group delete`): its position and
+    pull logs are gone, its retry subject is skipped up to `retry_cursor` and its dead letters below
+    `dead_upto` are dropped, so a group made again under the name starts clean."""
+
+    subject: str
+    key: str
+    retry_cursor: int
+    dead_upto: int
+
+
+Entry = Create | GroupAction | Schedule | Fired | Redriven | Delete
 
 
 def runs(seqs: tuple[int, ...] | list[int]) -> list[list[int]]:
@@ -102,6 +117,10 @@ def _to_list(entry: Entry) -> list[Any]:
         return [SCHEDULE, entry.id, entry.due_ms, entry.offset, entry.attempt, entry.retry_subject, entry.reason]
     if isinstance(entry, Fired):
         return [FIRED, list(entry.ids)]
+    if isinstance(entry, Delete):
+        return [DELETE, entry.subject, entry.key, entry.retry_cursor, entry.dead_upto]
+    if entry.seqs or entry.purged:  # older brokers read the first three fields of a plain re-drive
+        return [REDRIVEN, entry.dead_subject, entry.upto, runs(entry.seqs), entry.purged]
     return [REDRIVEN, entry.dead_subject, entry.upto]
 
 
@@ -122,7 +141,11 @@ def _from_list(item: list[Any]) -> Entry:
     if kind == FIRED:
         return Fired(tuple(item[1]))
     if kind == REDRIVEN:
+        if len(item) > 3:
+            return Redriven(item[1], item[2], unruns(item[3]), bool(item[4]))
         return Redriven(item[1], item[2])
+    if kind == DELETE:
+        return Delete(item[1], item[2], item[3], item[4])
     raise ValueError(f"unknown journal entry kind {kind!r}")
 
 

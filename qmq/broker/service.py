@@ -3,9 +3,9 @@ state recovered from the last snapshot and the journal, with the loops that run 
 
 The parts, one concern each: `core.py` (the store, the state, the journal, waiting pulls),
 `recovery.py` (the state at start), `sending.py` (BROKER_SEND), `consuming.py` (pull, ack, nack,
-heartbeat), `admin.py` (reset, dead letters, stats), `background.py` (retries, silent consumers,
-snapshots). The request path common to every server (dispatch, field errors, UNAVAILABLE on a store
-failure, request metrics) is `qmq.net.service`.
+heartbeat), `admin.py` (reset, groups, dead letters, stats, consumers), `lookup.py` (a message and its
+life), `background.py` (retries, silent consumers, snapshots). The request path common to every
+server (dispatch, field errors, UNAVAILABLE on a store failure, request metrics) is `qmq.net.service`.
 
 Promises: a send is acknowledged only once durable (sync mode); a pull never hands out a message to
 two consumers of a group while both are alive; nothing pulled is lost by a crash (it is resent until
@@ -15,6 +15,7 @@ dead-letter subject, without holding up the rest of its group.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from qmq.broker.admin import Administration
 from qmq.broker.background import BackgroundWork
 from qmq.broker.consuming import Consuming
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerCore, Clock
+from qmq.broker.lookup import lookup
 from qmq.broker.recovery import recover
 from qmq.broker.sending import Sending
 from qmq.broker.state import BrokerState
@@ -60,18 +62,31 @@ class BrokerService(Service):
             store, state, consumer_timeout_s=consumer_timeout_s, max_attempts=max_attempts, limits=limits, clock=clock
         )
         self.background = BackgroundWork(self.core, state_dir)
-        self.sending, consuming, self.admin = Sending(self.core), Consuming(self.core), Administration(self.core)
+        self.sending, self.consuming = Sending(self.core), Consuming(self.core)
+        self.admin = admin = Administration(self.core)
         self.handlers |= {
             RequestCode.BROKER_SEND: self.sending.send,
-            RequestCode.BROKER_PULL: consuming.pull,
-            RequestCode.BROKER_ACK: consuming.ack,
-            RequestCode.BROKER_NACK: consuming.nack,
-            RequestCode.BROKER_HEARTBEAT: consuming.heartbeat,
-            RequestCode.BROKER_RESET: self.admin.reset,
-            RequestCode.BROKER_DEAD_LIST: self.admin.dead_list,
-            RequestCode.BROKER_DEAD_REDRIVE: self.admin.redrive,
-            RequestCode.BROKER_STATS: self.admin.stats_request,
+            RequestCode.BROKER_PULL: self.consuming.pull,
+            RequestCode.BROKER_ACK: self.consuming.ack,
+            RequestCode.BROKER_NACK: self.consuming.nack,
+            RequestCode.BROKER_HEARTBEAT: self._heartbeat,
+            RequestCode.BROKER_RESET: admin.reset,
+            RequestCode.BROKER_DEAD_LIST: admin.dead_list,
+            RequestCode.BROKER_DEAD_REDRIVE: admin.redrive,
+            RequestCode.BROKER_DEAD_PURGE: admin.purge,
+            RequestCode.BROKER_STATS: admin.stats_request,
+            RequestCode.BROKER_LOOKUP: functools.partial(lookup, self.core),
+            RequestCode.BROKER_GROUP_CREATE: admin.group_create,
+            RequestCode.BROKER_GROUP_DELETE: admin.group_delete,
+            RequestCode.BROKER_CONSUMERS: admin.consumers,
         }
+
+    async def _heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """BROKER_HEARTBEAT, and the worker's report it may carry (for BROKER_CONSUMERS)."""
+        reply = await self.consuming.heartbeat(body)
+        if body.get("worker") is not None:
+            self.admin.note_report([item[2] for item in body["consumers"]], body["worker"])
+        return reply
 
     @property
     def state(self) -> BrokerState:
@@ -80,13 +95,15 @@ class BrokerService(Service):
     def start(self) -> None:
         """Start the background loops on the running event loop."""
         self.background.start()
+        self.admin.start()
 
     async def stop_background(self) -> None:
         await self.background.stop()
+        await self.admin.stop()
 
     async def close(self) -> None:
         """Stop the background loops, let sends cut short settle, and write a last snapshot."""
-        await self.background.stop()
+        await self.stop_background()
         await self.sending.group_commit.close()
         await self.background.take_snapshot()
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from qmq.broker.consumer_group import ConsumerGroup, Reset
-from qmq.broker.journal import Create, Entry, Fired, GroupAction, Redriven, Schedule
+from qmq.broker.journal import Create, Delete, Entry, Fired, GroupAction, Redriven, Schedule
 from qmq.broker.retry import RetrySchedule
+from qmq.broker.system_subjects import dead_subject, retry_subject
 
 SNAPSHOT_VERSION = 1
 
@@ -21,6 +22,7 @@ class BrokerState:
         self.groups: dict[tuple[str, str], ConsumerGroup] = {}  # (stored subject, group key) -> group
         self.retries = RetrySchedule()
         self.redriven: dict[str, int] = {}  # dead subject -> first sequence not yet re-driven
+        self.dead_done: dict[str, set[int]] = {}  # dead subject -> sequences re-driven or purged one by one
         self.journal_seq = 0  # the next journal sequence to apply (what a snapshot covers)
 
     def group(self, stored_subject: str, key: str) -> ConsumerGroup | None:
@@ -43,7 +45,35 @@ class BrokerState:
         elif isinstance(entry, Fired):
             self.retries.fired(entry.ids)
         elif isinstance(entry, Redriven):
-            self.redriven[entry.dead_subject] = max(self.redriven.get(entry.dead_subject, 0), entry.upto)
+            self._dead_handled(entry.dead_subject, entry.upto, entry.seqs)
+        elif isinstance(entry, Delete):
+            self.groups.pop((entry.subject, entry.key), None)
+            retry = retry_subject(entry.subject, entry.key)
+            if entry.retry_cursor:
+                self.groups[(retry, entry.key)] = ConsumerGroup(retry, entry.key, entry.retry_cursor)
+            else:
+                self.groups.pop((retry, entry.key), None)
+            self._dead_handled(dead_subject(entry.subject, entry.key), entry.dead_upto, ())
+
+    def _dead_handled(self, dead: str, upto: int, seqs: tuple[int, ...]) -> None:
+        """Dead letters below `upto` and at `seqs` are handled; the mark moves over a handled run."""
+        mark = max(self.redriven.get(dead, 0), upto)
+        done = self.dead_done.setdefault(dead, set())
+        done.update(s for s in seqs if s >= mark)
+        while mark in done:
+            done.discard(mark)
+            mark += 1
+        done.difference_update([s for s in done if s < mark])
+        if not done:
+            del self.dead_done[dead]
+        self.redriven[dead] = mark
+
+    def dead_pending(self, dead: str, end: int) -> int:
+        """Dead letters of `dead` (whose next sequence is `end`) neither re-driven nor purged."""
+        return max(0, end - self.redriven.get(dead, 0) - len(self.dead_done.get(dead, ())))
+
+    def dead_is_done(self, dead: str, seq: int) -> bool:
+        return seq < self.redriven.get(dead, 0) or seq in self.dead_done.get(dead, ())
 
     def to_snapshot(self) -> dict[str, Any]:
         return {
@@ -55,6 +85,7 @@ class BrokerState:
             ],
             "retry_next_id": self.retries.next_id,
             "redriven": dict(self.redriven),
+            "dead_done": {dead: sorted(seqs) for dead, seqs in self.dead_done.items()},
         }
 
     @classmethod
@@ -70,4 +101,5 @@ class BrokerState:
             state.retries.add(Schedule(*item))
         state.retries.next_id = max(state.retries.next_id, int(data["retry_next_id"]))
         state.redriven = {k: int(v) for k, v in data["redriven"].items()}
+        state.dead_done = {k: {int(s) for s in v} for k, v in data.get("dead_done", {}).items()}
         return state

@@ -14,9 +14,10 @@ Error frames carry header code 0 and put their `ErrorCode` in the body (see docs
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import IntEnum, unique
 
 
+@unique  # two codes with one number would silently be one request: fail at import instead
 class RequestCode(IntEnum):
     HANDSHAKE = 1  # body {"version", "client_id", "token"}; the first frame on every connection
     PING = 2  # any body; a server answers with the same body
@@ -29,8 +30,13 @@ class RequestCode(IntEnum):
     BROKER_HEARTBEAT = 104  # {"consumers": [[subject, group, consumer], ...]} -> {}
     BROKER_RESET = 110  # {"subject", "group", "to": "earliest" | "latest" | seq} -> {"cursor"}
     BROKER_DEAD_LIST = 111  # {"subject", "group", "from", "max"} -> {"messages", "next"}
-    BROKER_DEAD_REDRIVE = 112  # {"subject", "group"} -> {"redriven"}
+    BROKER_DEAD_REDRIVE = 112  # {"subject", "group", "seqs"?} -> {"redriven"}
     BROKER_STATS = 113  # {} -> {"group", "read_only", "subjects", "groups"}
+    BROKER_LOOKUP = 114  # {"id"} | {"subject", "key"} -> {"messages": [{..., "life": [...]}]}
+    BROKER_DEAD_PURGE = 115  # {"subject", "group", "seqs"?} -> {"purged"}
+    BROKER_GROUP_CREATE = 116  # {"subject", "group", "to"} -> {"cursor", "created"}
+    BROKER_GROUP_DELETE = 117  # {"subject", "group", "force"} -> {"deleted"}
+    BROKER_CONSUMERS = 118  # {} -> {"consumers": [...]}: every consumer, with what its worker reported
 
     # Meta server (see docs/meta.md for the bodies).
     META_REGISTER = 200  # {"kind", "group", "address": "host:port"} -> {"heartbeat_interval_s", "read_only"}
@@ -44,3 +50,4 @@ class RequestCode(IntEnum):
     DELAY_SEND = 300  # {"messages": [{..., "deliver_at": ms}]} -> {"stored", "rejected"}, as BROKER_SEND
     DELAY_CANCEL = 301  # {"ids": [str]} -> {"outcomes": ["cancelled" | "too_late" | "unknown", ...]}
     DELAY_STATS = 302  # {} -> {"now_ms", "pending", "buckets", "fired", ...}
+    DELAY_LOOKUP = 303  # {"id"} | {"subject", "key"} -> {"messages": [{..., "state", "deliver_at"}]}

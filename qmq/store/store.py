@@ -479,6 +479,16 @@ class LogStore:
                 return record
         return None
 
+    def find_all_by_id(self, message_id: str) -> list[rec.Record]:
+        """Every record with this message id, oldest first: a broker's retry and dead-letter copies of
+        a message keep its id (`qmq admin lookup`)."""
+        found = []
+        for offset in self.index.find(rec.key_hash(message_id.encode())):
+            record = self._indexed_record(offset)
+            if record is not None and record.message_id == message_id:
+                found.append(record)
+        return sorted(found, key=lambda r: r.offset)
+
     def find_by_key(self, subject: str, key: str) -> list[rec.Record]:
         """Records of `subject` with this key, newest first."""
         found = []
