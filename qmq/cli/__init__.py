@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from qmq import __version__
+from qmq.cli.admin import admin
 from qmq.cli.broker import broker
 from qmq.cli.db import db
 from qmq.cli.delay_server import delay_server
@@ -42,3 +43,4 @@ main.add_command(relay)
 main.add_command(delay_server)
 main.add_command(dev)
 main.add_command(demo)
+main.add_command(admin)

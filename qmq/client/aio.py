@@ -19,6 +19,7 @@ import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from qmq.client.admin import AdminCore
 from qmq.client.consuming import SubscriptionCore
 from qmq.client.core import ClientCore
 from qmq.client.deliveries import DEFAULT_PULL_MAX, DEFAULT_PULL_WAIT_S, Delivery
@@ -26,7 +27,7 @@ from qmq.client.errors import ClientError
 from qmq.client.pool import AsyncConnectionPool
 from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Step, Steps, Subscribe, WaitAll, WaitAny
 
-__all__ = ["AsyncClient", "AsyncSubscription"]
+__all__ = ["AsyncAdmin", "AsyncClient", "AsyncSubscription"]
 
 MAX_SENDS_IN_FLIGHT = 16  # BROKER_SEND requests in flight at once for one client
 
@@ -106,6 +107,22 @@ class AsyncClient(ClientCore):
     async def _send(self, call: Call) -> Any:
         async with self._sends:
             return await request(self._pool, call)
+
+
+class AsyncAdmin(AdminCore, AsyncClient):
+    """The administration calls (`qmq.client.admin`) for code on an event loop."""
+
+    cluster = awaiting(AdminCore.cluster)
+    stats = awaiting(AdminCore.stats)
+    delay_stats = awaiting(AdminCore.delay_stats)
+    consumers = awaiting(AdminCore.consumers)
+    dead_list = awaiting(AdminCore.dead_list)
+    redrive = awaiting(AdminCore.redrive)
+    purge = awaiting(AdminCore.purge)
+    reset = awaiting(AdminCore.reset)
+    group_create = awaiting(AdminCore.group_create)
+    group_delete = awaiting(AdminCore.group_delete)
+    lookup = awaiting(AdminCore.lookup)
 
 
 class AsyncSubscription(SubscriptionCore):

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from qmq.client.admin import AdminCore
 from qmq.client.consuming import SubscriptionCore
 from qmq.client.core import ClientCore
 from qmq.client.deliveries import DEFAULT_PULL_MAX, DEFAULT_PULL_WAIT_S, Delivery, SubscribeOptions
@@ -33,7 +34,7 @@ from qmq.client.errors import ClientError
 from qmq.client.pool import ConnectionPool
 from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Step, Steps, Subscribe, WaitAll, WaitAny
 
-__all__ = ["Client", "Subscription"]
+__all__ = ["Admin", "Client", "Subscription"]
 
 SEND_THREADS = 16  # BROKER_SEND requests in flight at once for one send() call
 MAX_PULL_THREADS = 16  # broker groups a subscription long-polls at once
@@ -120,6 +121,23 @@ class Client(ClientCore):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix="qmq-send")
             return self._executor
+
+
+class Admin(AdminCore, Client):
+    """The administration calls (`qmq admin`, `qmq console`; `qmq.client.admin`) over a client's
+    connections: `Admin(meta=...)` or `Admin(brokers=[...])`."""
+
+    cluster = blocking(AdminCore.cluster)
+    stats = blocking(AdminCore.stats)
+    delay_stats = blocking(AdminCore.delay_stats)
+    consumers = blocking(AdminCore.consumers)
+    dead_list = blocking(AdminCore.dead_list)
+    redrive = blocking(AdminCore.redrive)
+    purge = blocking(AdminCore.purge)
+    reset = blocking(AdminCore.reset)
+    group_create = blocking(AdminCore.group_create)
+    group_delete = blocking(AdminCore.group_delete)
+    lookup = blocking(AdminCore.lookup)
 
 
 class Subscription(SubscriptionCore):
