@@ -20,7 +20,7 @@ from typing import Any
 from qmq.broker.consumer_group import Reset
 from qmq.broker.core import BrokerCore
 from qmq.broker.journal import Create, Delete, Entry, Fired, GroupAction, Redriven
-from qmq.broker.system_subjects import dead_subject, delivery, retry_subject, unwrap, wrap
+from qmq.broker.system_subjects import REDRIVEN_REASON, dead_subject, delivery, retry_subject, unwrap, wrap
 from qmq.protocol.fields import bad, field, int_field
 from qmq.protocol.limits import MAX_PULL_MESSAGES, validate_group, validate_subject
 from qmq.store.store import LogStore
@@ -202,7 +202,7 @@ class Administration:
         subject, group = self._target(body)
         retry = retry_subject(subject, group)
         count = await self._handle_dead(
-            subject, group, self._seqs(body), lambda records: [wrap(r, retry, 1, "re-driven") for r in records]
+            subject, group, self._seqs(body), lambda records: [wrap(r, retry, 1, REDRIVEN_REASON) for r in records]
         )
         self.core.wake({subject})
         log.info("%d dead letters of group %s on %s re-driven", count, group, subject)

@@ -19,7 +19,7 @@ from qmq.broker import journal
 from qmq.broker.consumer_group import Ack, Pull, Release
 from qmq.broker.core import BrokerCore
 from qmq.broker.journal import Delete, Entry, GroupAction, Redriven, Schedule
-from qmq.broker.system_subjects import delivery, unwrap
+from qmq.broker.system_subjects import REDRIVEN_REASON, delivery, unwrap
 from qmq.protocol.fields import bad
 from qmq.protocol.fields import field as body_field
 from qmq.protocol.limits import ACTION_SUBJECT, MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subject
@@ -29,6 +29,7 @@ from qmq.store.store import LogStore
 MAX_JOURNAL_RECORDS = 200_000  # journal records read for one look-up, at most
 JOURNAL_BATCH = 256  # journal records read at a time
 MAX_KEY_MATCHES = 20  # messages of one (subject, key) looked up, newest first
+END = 1 << 62  # past any log offset
 
 # What became of a message in one consumer group, by the last thing that happened to it there.
 WAITING, IN_FLIGHT, CONSUMED, RETRYING, DEAD, PURGED, DELETED = (
@@ -61,8 +62,9 @@ class _Pulled:
 @dataclass
 class MessageLife:
     """One message's copies and what the journal says happened to them, without I/O: `add_copy` each
-    record with the message's id, then `feed` every journal record written after the first, in log
-    order; `events` and `groups` are the answer."""
+    record with the message's id (oldest first), then `feed` every journal record written after the
+    first, in log order; `events` and `groups` are the answer. A copy counts where it lies in the
+    log, among the journal's records: a dead letter settles the pull it came from."""
 
     copies: list[rec.Record] = field(default_factory=list)
     _events: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)  # (log offset, n, event)
@@ -70,25 +72,36 @@ class MessageLife:
     _offsets: set[int] = field(default_factory=set)
     _pending: dict[tuple[str, str, str], list[_Pulled]] = field(default_factory=dict)
     _status: dict[str, str] = field(default_factory=dict)  # group key -> what became of the message there
+    _arrived: int = 0  # copies already placed among the events
+    _purged_offsets: set[int] = field(default_factory=set)
 
     def add_copy(self, record: rec.Record) -> None:
+        """A record with the message's id (added oldest first, before any `feed`)."""
         self.copies.append(record)
         self._by_seq[(record.subject, record.seq)] = record
         self._offsets.add(record.offset)
-        kind, _subject, group = parse_system_subject(record.subject)
-        wrapped = unwrap(record)
-        event: dict[str, Any] = {"event": "stored", "subject": record.subject, "seq": record.seq}
-        if kind == "retry":
-            event.update(event="retry", group=group, attempt=wrapped.attempt, reason=wrapped.reason)
-            self._status[group] = RETRYING
-        elif kind == "dead":
-            event.update(event="dead", group=group, attempt=wrapped.attempt, reason=wrapped.reason)
-            self._status[group] = DEAD
-            self._nacked(group)
-        self._add(record.offset, record.store_ts, event)
+
+    def _arrive(self, upto: int) -> None:
+        """The copies stored before log offset `upto`, in log order among the journal's events."""
+        while self._arrived < len(self.copies) and self.copies[self._arrived].offset < upto:
+            record = self.copies[self._arrived]
+            self._arrived += 1
+            kind, _subject, group = parse_system_subject(record.subject)
+            wrapped = unwrap(record)
+            event: dict[str, Any] = {"event": "stored", "subject": record.subject, "seq": record.seq}
+            if kind == "retry":
+                name = "re-driven" if wrapped.reason == REDRIVEN_REASON else "retry"
+                event.update(event=name, group=group, attempt=wrapped.attempt, reason=wrapped.reason)
+                self._status[group] = RETRYING
+            elif kind == "dead":
+                event.update(event="dead", group=group, attempt=wrapped.attempt, reason=wrapped.reason)
+                self._status[group] = DEAD
+                self._nacked(group)
+            self._add(record.offset, record.store_ts, event)
 
     def feed(self, offset: int, at_ms: int, entries: list[Entry]) -> None:
         """The journal record at log `offset`, written at `at_ms`."""
+        self._arrive(offset)
         for entry in entries:
             if isinstance(entry, GroupAction):
                 self._group_action(offset, at_ms, entry)
@@ -107,8 +120,8 @@ class MessageLife:
                         "retry_at": entry.due_ms,
                     },
                 )
-            elif isinstance(entry, Redriven):
-                self._redriven(offset, at_ms, entry)
+            elif isinstance(entry, Redriven) and entry.purged:
+                self._purged(offset, at_ms, entry)
             elif isinstance(entry, Delete) and any(c.subject == entry.subject for c in self.copies):
                 self._status[entry.key] = DELETED
                 self._add(offset, at_ms, {"event": "group deleted", "group": entry.key})
@@ -137,16 +150,17 @@ class MessageLife:
                     self._status[group] = CONSUMED
                     self._add(offset, at_ms, {"event": "acked", "group": group, "consumer": action.consumer})
 
-    def _redriven(self, offset: int, at_ms: int, entry: Redriven) -> None:
+    def _purged(self, offset: int, at_ms: int, entry: Redriven) -> None:
+        """A purge of dead letters (a re-drive shows as its retry copy, stored just before)."""
         for copy in self.copies:
-            if copy.subject != entry.dead_subject:
+            if copy.subject != entry.dead_subject or copy.offset in self._purged_offsets:
                 continue
             if copy.seq < entry.upto or copy.seq in entry.seqs:
                 _kind, _subject, group = parse_system_subject(copy.subject)
-                if self._status.get(group) != DEAD:
-                    continue  # handled before: a later mark covers it again
-                self._status[group] = PURGED if entry.purged else RETRYING
-                self._add(offset, at_ms, {"event": "purged" if entry.purged else "re-driven", "group": group})
+                self._purged_offsets.add(copy.offset)
+                if self._status.get(group) == DEAD:  # not re-driven before the mark passed it
+                    self._status[group] = PURGED
+                    self._add(offset, at_ms, {"event": "purged", "group": group})
 
     def _nacked(self, group: str) -> None:
         """A nack of the message in `group` (a retry or a dead letter): the ack that follows it
@@ -161,9 +175,11 @@ class MessageLife:
         self._events.append((offset, len(self._events), event))
 
     def events(self) -> list[dict[str, Any]]:
+        self._arrive(END)
         return [event for _offset, _n, event in sorted(self._events, key=lambda e: (e[0], e[1]))]
 
     def groups(self) -> dict[str, str]:
+        self._arrive(END)
         return dict(self._status)
 
 

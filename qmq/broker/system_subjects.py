@@ -16,6 +16,7 @@ from qmq.store.record import Record
 from qmq.store.store import Message
 
 WRAPPED = 0x01  # record flag: the payload is [attempt, subject, stored_at, payload, reason]
+REDRIVEN_REASON = "re-driven"  # the reason of a dead letter's copy sent back to its group
 
 
 def retry_subject(subject: str, group_key: str) -> str:
