@@ -115,4 +115,9 @@ fi
 if [ ! -f /usr/share/java/postgresql.jar ] && [ -z "${QMQ_JDBC_JAR:-}" ]; then
     apt_install libpostgresql-jdbc-java || die "the PostgreSQL JDBC driver is missing and cannot be installed here: install Debian's libpostgresql-jdbc-java, or set QMQ_JDBC_JAR to a postgresql-*.jar"
 fi
+# --- the web console's browser test (tests/test_console.py): Debian's Chromium, driven by Playwright
+# for Python with executable_path=/usr/bin/chromium (never `playwright install`) ---------------------
+if [ ! -x /usr/bin/chromium ]; then
+    apt_install chromium chromium-driver || die "Chromium is missing and cannot be installed here: install Debian's chromium package (or set QMQ_CHROMIUM to a Chromium binary)"
+fi
 say "ready: $VENV"

@@ -195,7 +195,7 @@ def test_every_admin_command_against_real_brokers(processes, tmp_path) -> None:
     ("args", "message"),
     [
         (["lookup"], "give --id ID or --key SUBJECT KEY"),
-        (["reset", "orders", "g", "--to", "sometime", "--yes"], "earliest, latest, a sequence number, or a time"),
+        (["reset", "orders", "g", "--to", "sometime", "--yes"], "is not a position: give earliest, latest"),
         (["stats", "--meta", "127.0.0.1:1", "--broker", "127.0.0.1:2"], "give --meta or --broker, not both"),
         (["dead", "list", "bad subject!", "g", "--broker", "127.0.0.1:1"], "did not answer"),
     ],

@@ -10,6 +10,7 @@ import click
 from qmq import __version__
 from qmq.cli.admin import admin
 from qmq.cli.broker import broker
+from qmq.cli.console import console
 from qmq.cli.db import db
 from qmq.cli.delay_server import delay_server
 from qmq.cli.demo import demo
@@ -44,3 +45,4 @@ main.add_command(delay_server)
 main.add_command(dev)
 main.add_command(demo)
 main.add_command(admin)
+main.add_command(console)

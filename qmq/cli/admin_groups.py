@@ -7,26 +7,18 @@ from typing import Any
 
 import click
 
+from qmq.admin.positions import POSITION_FORMS, parse_position
 from qmq.admin.views import errors, per_group
 from qmq.cli.admin_options import admin_client, admin_options, confirm, emit, table
-from qmq.cli.time_options import TIME_FORMS, parse_time
 
-POSITION_HELP = (
-    f"earliest, latest, a sequence number, or a time ({TIME_FORMS}): the first message stored at or after it"
-)
+POSITION_HELP = POSITION_FORMS
 
 
-def parse_position(text: str) -> tuple[str | int, int | None]:
-    """--to as (to, time_ms) for the broker: "earliest", "latest", a sequence, or a time."""
-    word = text.strip().lower()
-    if word in ("earliest", "latest"):
-        return word, None
-    if word.isdigit():
-        return int(word), None
+def position(text: str) -> tuple[str | int, int | None]:
     try:
-        return "latest", int(parse_time(text).timestamp() * 1000)
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: give {POSITION_HELP}", param_hint="--to") from None
+        return parse_position(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _render(data: dict[str, Any]) -> None:
@@ -42,10 +34,10 @@ def _render(data: dict[str, Any]) -> None:
 def reset(subject, group, meta, brokers, delay_servers, token, as_json, log_level, to, yes) -> None:
     """Move GROUP's position on SUBJECT (every broker group): back to replay, forward to skip. A group
     that does not exist yet is made at that position."""
-    position, time_ms = parse_position(to)
+    position_, time_ms = position(to)
     with admin_client(meta, brokers, delay_servers, token, log_level) as admin:
         confirm(f"Move group {group} on {subject} to {to}?", yes)
-        answers = admin.reset(subject, group, position, time_ms)
+        answers = admin.reset(subject, group, position_, time_ms)
     data = {"broker_groups": per_group(answers), "errors": errors(answers), "columns": [("cursor", "cursor")]}
     emit({k: v for k, v in data.items() if k != "columns"} if as_json else data, as_json, _render)
 
@@ -63,9 +55,9 @@ def group() -> None:
 def group_create(subject, group_name, meta, brokers, delay_servers, token, as_json, log_level, start) -> None:
     """Make GROUP on SUBJECT on every broker group, starting at --from (an existing group is left
     where it is)."""
-    position, time_ms = parse_position(start)
+    position_, time_ms = position(start)
     with admin_client(meta, brokers, delay_servers, token, log_level) as admin:
-        answers = admin.group_create(subject, group_name, position, time_ms)
+        answers = admin.group_create(subject, group_name, position_, time_ms)
     data = {
         "broker_groups": per_group(answers),
         "errors": errors(answers),
