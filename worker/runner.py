@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
+from typing import Any
 
 from qmq.client import Client, Delivery
 from qmq.client.core import PULL_REPLY_GRACE_S
@@ -114,6 +115,8 @@ class Worker:
         }
         self._done = threading.Event()
         self._exit_code = 0
+        self._running: dict[int, dict[str, Any]] = {}  # job -> the message it runs, for the heartbeat report
+        self._running_lock = threading.Lock()
 
     # ---- running ---------------------------------------------------------------------------------
 
@@ -176,6 +179,15 @@ class Worker:
         feeder, delivery = job.feeder, job.delivery
         consumer: Consumer = feeder.consumer
         self.capacity.started()
+        running = {
+            "id": delivery.id,
+            "subject": delivery.subject,
+            "group": consumer.group,
+            "attempt": delivery.attempt,
+            "started_at": int(time.time() * 1000),
+        }
+        with self._running_lock:
+            self._running[id(job)] = running
         try:
             message = Message.from_delivery(delivery, consumer.group)
             try:
@@ -188,6 +200,8 @@ class Worker:
             except Exception:  # the client does not raise for a lost broker; anything else is a bug to see
                 log.exception("%s %s: settling failed; the broker will deliver it again", consumer.name, delivery.id)
         finally:
+            with self._running_lock:
+                self._running.pop(id(job), None)
             self.capacity.finished()
             self._bound[id(consumer)].in_flight.dec()
             self.liveness.progress(time.monotonic())
@@ -218,14 +232,16 @@ class Worker:
     def _chores(self, chores: Chores, probe: BacklogProbe | None, now: float) -> None:
         if not chores.ready and all(f.subscribed.is_set() for f in self.feeders):
             chores.ready = True
+            chores.next_beat = now  # the brokers learn at once what this worker is (qmq admin inspect)
             self._ready()
         if now >= chores.next_flush:
             chores.next_flush = now + ACK_FLUSH_EVERY_S
             self._flush()
         if now >= chores.next_beat:
             chores.next_beat = now + HEARTBEAT_EVERY_S
+            report = self.report()
             for subscription in self._subscriptions():
-                subscription.heartbeat()
+                subscription.heartbeat(report)
         if now >= chores.next_check and probe is not None:
             chores.next_check = now + chores.check_every_s
             self._check_liveness(probe, now)
@@ -247,6 +263,22 @@ class Worker:
                 self.on_ready(self)
             except Exception:
                 hooks_log.exception("on_ready failed")
+
+    def report(self) -> dict[str, Any]:
+        """What the heartbeats tell the brokers about this worker (`qmq admin inspect`, the console's
+        workers page, as `celery inspect active`): who it is, how much it may run, what it runs."""
+        with self._running_lock:
+            running = sorted(self._running.values(), key=lambda r: r["started_at"])
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "app": self.app.name,
+            "pool": self.options.pool,
+            "concurrency": self.concurrency,
+            "held": self.capacity.held,
+            "running": running,
+            "consumers": [{"subject": c.subject, "group": c.group} for c in self.consumers],
+        }
 
     def _subscriptions(self) -> list:
         return [f.subscription for f in self.feeders if f.subscription is not None]

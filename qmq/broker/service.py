@@ -32,7 +32,7 @@ from qmq.broker.sending import Sending
 from qmq.broker.state import BrokerState
 from qmq.net.service import Service
 from qmq.protocol.codes import RequestCode
-from qmq.protocol.limits import DEFAULT_LIMITS, Limits
+from qmq.protocol.limits import DEFAULT_LIMITS, Limits, validate_consumer
 from qmq.store.flush import FlushFailed
 from qmq.store.store import LogStore, StoreError
 
@@ -85,7 +85,10 @@ class BrokerService(Service):
         """BROKER_HEARTBEAT, and the worker's report it may carry (for BROKER_CONSUMERS)."""
         reply = await self.consuming.heartbeat(body)
         if body.get("worker") is not None:
-            self.admin.note_report([item[2] for item in body["consumers"]], body["worker"])
+            consumers = {item[2] for item in body["consumers"]}
+            if body.get("consumer") is not None:
+                consumers.add(validate_consumer(body["consumer"]))
+            self.admin.note_report(sorted(consumers), body["worker"])
         return reply
 
     @property

@@ -229,11 +229,19 @@ class SubscriptionCore:
                     self._state.drop(address, acks[address])
                 log.warning("acks to %s failed (%s): the broker will deliver the messages again", address, reply)
 
-    def heartbeat(self) -> Steps[None]:
+    def heartbeat(self, worker: dict[str, Any] | None = None) -> Steps[None]:
         """Tell every broker this consumer is alive (for handlers slower than the broker's consumer
-        timeout, which would otherwise give this consumer's messages to the rest of the group)."""
+        timeout, which would otherwise give this consumer's messages to the rest of the group).
+        `worker`: what the process reports about itself (host, pid, concurrency, the messages it is
+        running), kept by the brokers for `qmq admin inspect`."""
         with self._lock:
             bodies = self._state.heartbeat_requests()
+            if worker is not None:  # every broker of the route hears the report, holding messages or not
+                for slot in self._slots.values():
+                    bodies.setdefault(slot.address or slot.group.addresses[0], {"consumers": []})
+        if worker is not None:
+            consumer = self.options.consumer
+            bodies = {address: {**body, "consumer": consumer, "worker": worker} for address, body in bodies.items()}
         if not bodies:
             return
         addresses = list(bodies)
