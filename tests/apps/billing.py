@@ -2,7 +2,8 @@
 tests/test_console.py): `order.created` is consumed by group `billing`, which bills an order only
 when its customer has a billing account. An order of a customer without one fails every attempt and
 is dead-lettered after 32 (max_retries=31; a short backoff keeps the test quick); once the account
-exists, a re-driven message bills it.
+exists, a re-driven message bills it. `order.shipped` is consumed by group `shipping`, slowly, so a
+backlog visibly goes down.
 
 Settings (environment): QMQ_META (the worker's), QMQ_TOKEN, QMQ_TEST_DB (the app's PostgreSQL
 database, with qmq's tables and those of billing_schema.py).
@@ -11,11 +12,12 @@ database, with qmq's tables and those of billing_schema.py).
 from __future__ import annotations
 
 import os
+import time
 
 import sqlalchemy as sa
 
 import qmq
-from tests.apps.billing_schema import ATTEMPTS
+from tests.apps.billing_schema import ATTEMPTS, SHIP_S
 
 app = qmq.App("billing", db=os.environ.get("QMQ_TEST_DB"))
 
@@ -41,3 +43,8 @@ def bill(message: qmq.Message, session) -> None:
         sa.text("INSERT INTO invoices (order_id, account, billed_at) VALUES (:o, :a, now())"),
         {"o": order["order"], "a": account},
     )
+
+
+@app.consumer("order.shipped", group="shipping", start="earliest")
+def ship(message: qmq.Message) -> None:
+    time.sleep(SHIP_S)  # slow enough that a backlog visibly goes down

@@ -34,6 +34,17 @@ class OperatedCluster:
     db_url: str
     worker: Any
     env: dict[str, str]  # what a client process needs: QMQ_META and QMQ_TOKEN
+    processes: Any
+
+    def start_worker(self, subject: str, name: str, concurrency: int = 4) -> Any:
+        """A worker of the billing app for `subject` only; returns once it is ready."""
+        worker = self.processes.start(
+            ["-m", "qmq", "worker", "-A", BILLING, "-l", "INFO", "-n", name, "-c", str(concurrency), "-Q", subject],
+            name=name.split("@")[0],
+            env={"PYTHONPATH": str(ROOT), **self.env, "QMQ_TEST_DB": self.db_url},
+        )
+        wait_ready(worker)
+        return worker
 
     def place_order(self, order_id: int, customer: int) -> str:
         """The shop's transaction: an order row... and its order.created message, through the outbox."""
@@ -108,17 +119,14 @@ def operated_cluster(processes, pg_url: str, data_dir: Path) -> Iterator[Operate
             env=env,
         )
         wait_for_port(delay_port, proc)
-        worker = processes.start(
-            ["-m", "qmq", "worker", "-A", BILLING, "-l", "INFO", "-n", "billing@%h", "-c", "4"],
-            name="worker",
-            env={**env, "QMQ_META": meta, "QMQ_TEST_DB": db_url},
-        )
-        wait_ready(worker)
-        yield OperatedCluster(
+        cluster = OperatedCluster(
             meta,
             f"127.0.0.1:{broker_port}",
             f"127.0.0.1:{delay_port}",
             db_url,
-            worker,
+            None,
             {"QMQ_META": meta, "QMQ_TOKEN": TOKEN},
+            processes,
         )
+        cluster.worker = cluster.start_worker("order.created", "billing@%h")
+        yield cluster
