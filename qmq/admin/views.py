@@ -140,6 +140,26 @@ def _event(event: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def life_summary(life: list[dict[str, Any]], fates: dict[str, str]) -> list[dict[str, Any]]:
+    """Per consumer group, what a long life comes to: deliveries, failures, the last reason, the
+    fate now."""
+    out = []
+    for group, fate in fates.items():
+        mine = [e for e in life if e.get("group") == group]
+        failures = [e for e in mine if e["event"] in ("nacked", "dead", "released")]
+        out.append(
+            {
+                "group": group,
+                "deliveries": sum(1 for e in mine if e["event"] == "pulled"),
+                "failures": len(failures),
+                "last_reason": failures[-1].get("reason") if failures else None,
+                "fate": fate,
+                "since": mine[-1]["at"] if mine else None,
+            }
+        )
+    return out
+
+
 def lookup_view(brokers: list[Answer], delayed: list[Answer]) -> dict[str, Any]:
     """{"messages": each copy-set a broker holds, with its life and its fate per consumer group;
     "delayed": the delay servers' records of it; "errors"}."""
@@ -163,6 +183,7 @@ def lookup_view(brokers: list[Answer], delayed: list[Answer]) -> dict[str, Any]:
                     "truncated": bool(m.get("truncated")),
                 }
             )
+            messages[-1]["summary"] = life_summary(messages[-1]["life"], messages[-1]["groups"])
     for answer in delayed:
         for m in (answer.reply or {}).get("messages") or ():
             delays.append(

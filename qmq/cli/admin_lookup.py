@@ -65,6 +65,17 @@ def _render(view: dict[str, Any]) -> None:
         )
         if m["truncated"]:
             click.echo("  (the journal is longer than a look-up reads: later events are not shown)")
+        table(
+            m["summary"],
+            [
+                ("group", "group"),
+                ("now", "fate"),
+                ("since", "since"),
+                ("deliveries", "deliveries"),
+                ("failures", "failures"),
+                ("last failure", "last_reason"),
+            ],
+        )
         click.echo("  now, per consumer group: " + (", ".join(f"{g} {s}" for g, s in m["groups"].items()) or "-"))
     for d in view["delayed"]:
         click.echo(f"delayed message {d['id']} on {d['delay_server']}: {d['state']}, due {d['deliver_at']}")

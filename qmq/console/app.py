@@ -178,6 +178,8 @@ def group(subject: str, group: str) -> str:
         rates=rates,
         consumers=consumers,
         samples=len(samples),
+        sample_interval_s=c.history.interval_s,
+        history_s=c.history.history_s,
         errors=stats["errors"],
     )
 

@@ -43,6 +43,7 @@ class History:
     """The samples, by (subject, group) and by subject. Thread-safe: the sampler adds, pages read."""
 
     def __init__(self, history_s: float = DEFAULT_HISTORY_S, interval_s: float = DEFAULT_SAMPLE_INTERVAL_S) -> None:
+        self.history_s, self.interval_s = history_s, interval_s
         self.keep = max(2, int(history_s / interval_s) + 1)
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, str], deque[GroupSample]] = {}

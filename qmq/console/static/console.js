@@ -11,7 +11,11 @@
       if (!reply.ok) return;
       const page = new DOMParser().parseFromString(await reply.text(), "text/html");
       const fresh = page.getElementById("live");
-      if (fresh) live.replaceWith(fresh);
+      if (!fresh) return;
+      // what the reader opened stays open
+      const opened = Array.from(live.querySelectorAll("details")).map((d) => d.open);
+      fresh.querySelectorAll("details").forEach((d, i) => { if (i < opened.length) d.open = opened[i]; });
+      live.replaceWith(fresh);
     } catch (e) {
       // the console is restarting or the network is away: try again next time
     }
