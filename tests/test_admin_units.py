@@ -1,10 +1,14 @@
 """The administration's parts without I/O: the new journal entries and the dead letters handled one
 by one (`BrokerState`), a message's life read from journal entries (`MessageLife`), the rates, and
-the views that sum the brokers' answers."""
+the views that sum the brokers' answers, the administration calls' loops driven by hand."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from typing import Any
+
 import msgpack
+import pytest
 
 from qmq.admin.views import stats_view
 from qmq.broker import journal
@@ -14,7 +18,11 @@ from qmq.broker.journal import Create, Delete, GroupAction, Redriven, Schedule
 from qmq.broker.lookup import MessageLife
 from qmq.broker.state import BrokerState
 from qmq.broker.system_subjects import wrap
-from qmq.client.admin import Answer
+from qmq.client.admin import ADMIN_TIMEOUT_S, AdminCore, Answer
+from qmq.client.errors import ClientError, MetaUnreachable
+from qmq.client.steps import Call
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.store.record import Record
 
 DEAD = "%DEAD%orders%g"
@@ -129,3 +137,83 @@ def test_stats_are_summed_over_masters_only() -> None:
     assert (view["groups"][0]["backlog"], view["groups"][0]["dead"]) == (15, 2)
     assert [b["role"] for b in view["brokers"]] == ["master", "replica", None, None]
     assert view["errors"] == [{"group": "c", "address": "h:4", "error": "UNAVAILABLE: down"}]
+
+
+# ---- the administration calls' loops, driven by hand ---------------------------------------------
+
+
+class Core(AdminCore):
+    def __init__(self, meta: str | None = "m:1", brokers: tuple[str, ...] = (), delay: tuple[str, ...] = ()) -> None:
+        self.meta, self.brokers, self.delay_servers = meta, brokers, delay
+
+
+META_LIST = {
+    "now": "2026-11-20T00:00:00+00:00",
+    "groups": [
+        {"name": "a", "addresses": ["h:1", "h:2"], "available": True, "read_only": False, "master": "h:2"},
+        {"name": "b", "addresses": ["h:3"], "available": True, "read_only": True},
+        {"name": "c", "addresses": [], "available": False},
+    ],
+    "servers": [
+        {"address": "d:1", "kind": "delay", "available": True},
+        {"address": "d:2", "kind": "delay", "available": False},
+    ],
+    "routes": [{"subject": "orders", "groups": ["a"]}],
+}
+
+
+def drive(loop: Generator, *outcomes: Any) -> tuple[list[Any], Any]:
+    """Run a loop, answering its steps with `outcomes` in turn; (the steps, the result)."""
+    steps, answers = [], iter(outcomes)
+    try:
+        step = next(loop)
+        while True:
+            steps.append(step)
+            step = loop.send(next(answers))
+    except StopIteration as end:
+        return steps, end.value
+
+
+def test_stats_ask_every_server_and_dead_letters_only_the_subjects_groups_at_their_master() -> None:
+    steps, answers = drive(Core().stats(), META_LIST, [{"groups": []}, {}, RemoteError(ErrorCode.UNAVAILABLE, "down")])
+    assert steps[0] == Call("m:1", RequestCode.META_LIST, {}, ADMIN_TIMEOUT_S)
+    assert [(c.address, c.code) for c in steps[1].calls] == [
+        (a, RequestCode.BROKER_STATS) for a in ("h:1", "h:2", "h:3")
+    ]
+    assert [a.ok for a in answers] == [True, True, False]
+    assert "down" in answers[2].error
+    steps, answers = drive(Core().dead_list("orders", "g", 7), META_LIST, [{"messages": []}])
+    assert steps[1].calls == [
+        Call("h:2", RequestCode.BROKER_DEAD_LIST, {"subject": "orders", "group": "g", "max": 7}, ADMIN_TIMEOUT_S)
+    ]
+    steps, _ = drive(Core().dead_list("unrouted", "g"), META_LIST, [{}, {}])
+    assert [c.address for c in steps[1].calls] == ["h:2", "h:3"]  # no route: every group that has a server
+
+
+def test_chosen_dead_letters_go_to_their_own_broker_group() -> None:
+    steps, answers = drive(Core().redrive("orders", "g", {"b": [4, 9]}), META_LIST, [{"redriven": 2}])
+    assert steps[1].calls == [
+        Call(
+            "h:3", RequestCode.BROKER_DEAD_REDRIVE, {"subject": "orders", "group": "g", "seqs": [4, 9]}, ADMIN_TIMEOUT_S
+        )
+    ]
+    assert answers[0].reply == {"redriven": 2}
+    with pytest.raises(ClientError, match="no broker group named zz"):
+        drive(Core().purge("orders", "g", {"zz": [1]}), META_LIST)
+
+
+def test_a_lookup_asks_the_meta_server_once_then_brokers_then_delay_servers() -> None:
+    steps, (brokers, delayed) = drive(Core().lookup("m-1"), META_LIST, [{}, {}], [{"messages": []}])
+    assert [type(s).__name__ for s in steps] == ["Call", "Calls", "Calls"]
+    assert [c.code for c in steps[2].calls] == [RequestCode.DELAY_LOOKUP]
+    assert [c.address for c in steps[2].calls] == ["d:1"]  # the available delay servers only
+    assert len(brokers) == 2 and len(delayed) == 1
+    with pytest.raises(ValueError, match="by id, or by subject and key"):
+        drive(Core().lookup(subject="orders"))
+
+
+def test_servers_given_directly_and_a_meta_server_that_does_not_answer() -> None:
+    steps, _ = drive(Core(None, ("b:1", "b:2"), ("d:9",)).group_delete("s", "g", True), [{}, {}])
+    assert [(c.address, c.body["force"]) for c in steps[0].calls] == [("b:1", True), ("b:2", True)]
+    with pytest.raises(MetaUnreachable, match="cannot ask the meta server at m:1"):
+        drive(Core().stats(), ConnectionRefusedError("refused"))

@@ -92,7 +92,7 @@ def act(kind: str) -> Any:
     console.access.check_csrf(session, request.form.get("csrf"))
     subject, group = request.form.get("subject", ""), request.form.get("group", "")
     back = request.form.get("next") or url_for("pages.dead_group", subject=subject, group=group)
-    if not back.startswith("/"):
+    if not back.startswith("/") or back.startswith("//"):  # this console's own pages only
         abort(400, "bad return address")
     chosen = request.form.getlist("seq")
     to = request.form.get("to", "")
