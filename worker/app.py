@@ -17,52 +17,20 @@ import inspect
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 from sqlalchemy.engine import Engine
 
 from qmq.client import Client
 from qmq.client.core import SubscribeOptions
+from worker.consumer import Consumer, Idempotent
 from worker.hooks import Hooks
-from worker.idempotency import DEFAULT_WINDOW
-from worker.middleware import Step
-from worker.retry import DEFAULT_BACKOFF_MAX_S, DEFAULT_BACKOFF_S, DEFAULT_MAX_RETRIES, RetryPolicy
+from worker.retry_policy import DEFAULT_BACKOFF_MAX_S, DEFAULT_BACKOFF_S, DEFAULT_MAX_RETRIES, RetryPolicy
+from worker.steps.idempotency import DEFAULT_WINDOW
+from worker.steps.step import Step
 
-Idempotent = bool | Literal["redis"]
 DEFAULT_REDIS_PREFIX = "qmq:"
-
-
-@dataclass(eq=False)
-class Consumer:
-    """One handler and how it consumes: made by `App.consumer`."""
-
-    app: App
-    fn: Callable[..., Any]
-    subject: str
-    group: str
-    tags: tuple[str, ...] = ()
-    match_all: bool = False
-    broadcast: bool = False
-    start: str = "latest"
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    time_limit: float | None = None
-    idempotent: Idempotent = False
-    wants_session: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.subject}/{self.group}"
-
-    @property
-    def uses_db(self) -> bool:
-        return self.idempotent is True or self.wants_session
-
-    def call_handler(self, message: Any, session: Any) -> Any:
-        if self.wants_session:
-            return self.fn(message, session=session)
-        return self.fn(message)
 
 
 class App:
@@ -175,7 +143,7 @@ class App:
 
     def add_step(self, step: Step) -> None:
         """Add a step around every handler of this app (inside retry, outside the transaction; see
-        worker/middleware.py)."""
+        worker/steps/step.py)."""
         self.steps.append(step)
 
     def on(self, event: str) -> Callable[[Callable], Callable]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import sys
 import threading
@@ -24,20 +23,23 @@ from http.server import ThreadingHTTPServer
 
 from qmq.client import Client, Delivery
 from qmq.client.core import PULL_REPLY_GRACE_S
-from worker.app import App, Consumer
+from qmq.protocol.limits import consumer_id_from
+from worker.app import App
 from worker.capacity import Capacity
+from worker.consumer import Consumer
 from worker.feeder import PULL_WAIT_S, Feeder
 from worker.hooks import log as hooks_log
 from worker.http import serve
-from worker.idempotency import purge_consumed
 from worker.liveness import DEFAULT_TIMEOUT_S, BacklogProbe, Liveness, broadcast_group_key
 from worker.message import Message
 from worker.metrics import ConsumerMetrics, WorkerMetrics
-from worker.middleware import Call, Next
 from worker.outcome import Kind, Outcome
 from worker.pipeline import outer_chain
 from worker.pool import Job, Pool, ProcessPool, SoloPool, ThreadPool
 from worker.shutdown import Shutdown
+from worker.steps.idempotency import purge_consumed
+from worker.steps.metrics import metrics_step
+from worker.steps.step import Call, Next
 
 log = logging.getLogger("qmq.worker")
 
@@ -51,7 +53,6 @@ PURGE_FIRST_AFTER_S = 60.0  # the first purge of old idempotency records after s
 PURGE_EVERY_S = 3600.0  # ...then every hour
 SWITCH_INTERVAL_S = 0.001  # GIL hand-over between threads (CPython's default 5 ms delays a woken pull reply)
 COLD_FLUSH_S = 2.0  # a cold shutdown sends what is acknowledged for at most this long, then exits
-CONSUMER_ID_BAD = re.compile(r"[^A-Za-z0-9._\-:@]")
 
 
 @dataclass
@@ -80,11 +81,11 @@ class WorkerOptions:
 
 def expand_hostname(template: str) -> str:
     """Celery's node name: %h the host name, %n its first part, %d the rest, %p the process id; made
-    fit for a consumer id (letters, digits and . _ - : @)."""
+    fit for a consumer id (`qmq.protocol.limits.consumer_id_from`)."""
     host = socket.gethostname()
     name, _, domain = host.partition(".")
     expanded = template.replace("%h", host).replace("%n", name).replace("%d", domain).replace("%p", str(os.getpid()))
-    return CONSUMER_ID_BAD.sub("-", expanded)[:200] or "qmq"
+    return consumer_id_from(expanded)
 
 
 class Worker:
@@ -169,7 +170,7 @@ class Worker:
         self.pool.submit(feeder, deliveries)
 
     def _wrap(self, consumer: Consumer, inner: Next) -> Next:
-        return outer_chain([self.metrics.step()], inner)
+        return outer_chain([metrics_step(self.metrics)], inner)
 
     def _handle(self, job: Job, chain: Next) -> None:
         """In a pool thread: run the chain, then settle the delivery with the broker."""

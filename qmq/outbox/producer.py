@@ -23,14 +23,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session, scoped_session
 
 from qmq.client.blocking import Client
 from qmq.client.core import InvalidMessage, OutgoingMessage
-from qmq.outbox import context
-from qmq.outbox.context import OutboxTransaction
-from qmq.outbox.notify import NOTIFY_SQL
-from qmq.outbox.rows import insert
+from qmq.outbox import context, flavours
+from qmq.outbox.flavour import OutboxTransaction
 from qmq.outbox.sender import Sender
 from qmq.outbox.shipping import Shipment
 from qmq.protocol import envelope
@@ -46,8 +43,9 @@ class Producer:
 
     Say which database with one of: `engine` (a SQLAlchemy Engine), `session` (a Session factory or
     Flask-SQLAlchemy's `db.session`, used by `@qmq.transactional` when the function is not given one),
-    `using` (a Django database alias). `meta` (or `brokers` and `delay_servers`, lists of "host:port")
-    says where to ship. `after_commit=False` leaves every message to the relay (woken by NOTIFY)."""
+    `using` (a Django database alias); they choose the producer's flavour (qmq/outbox/flavour.py).
+    `meta` (or `brokers` and `delay_servers`, lists of "host:port") says where to ship.
+    `after_commit=False` leaves every message to the relay (woken by NOTIFY)."""
 
     def __init__(
         self,
@@ -62,21 +60,15 @@ class Producer:
         after_commit: bool = True,
         insert_lease_s: float = INSERT_LEASE_S,
     ) -> None:
-        if engine is None and session is None and using is None:
-            raise ValueError("a Producer needs its database: engine=, session= or (Django) using=")
+        self.flavour = flavours.choose(engine, session, using)
         self.meta = meta or os.environ.get("QMQ_META")
         self.brokers = list(brokers) if brokers else None
         self.delay_servers = list(delay_servers) if delay_servers else None
         if not self.meta and not self.brokers:
             raise ValueError("a Producer needs meta='host:port' (or $QMQ_META) or brokers=[...]")
-        self.engine = engine
-        self.session = session
-        self.using = using
         self.token = token if token is not None else os.environ.get("QMQ_TOKEN")
         self.after_commit = after_commit
         self.insert_lease_s = insert_lease_s
-        self._learned_engine: sa.Engine | None = None
-        self._database_name: str | None = None
         self._sender: Sender | None = None
         _live_producers.add(self)
 
@@ -99,8 +91,8 @@ class Producer:
         server and is delivered then, never before."""
         when = _deliver_at(delay, deliver_at)
         raw, content_type = envelope.encode_body(body)
-        transaction = context.current(self) or self._joinable_transaction()
-        headers = {**(headers or {}), envelope.PRODUCER_HEADER: f"outbox:{self.database_name()}"}
+        transaction = context.current(self) or self.flavour.caller_transaction(self.handoff)
+        headers = {**(headers or {}), envelope.PRODUCER_HEADER: f"outbox:{self.flavour.database_name()}"}
         message = OutgoingMessage(
             subject, raw, key=key, tags=tuple(tags), headers=headers, content_type=content_type, deliver_at=when
         )
@@ -119,8 +111,9 @@ class Producer:
             "key": key,
             "deliver_at": when,
         }
-        if transaction is None:
-            self._send_alone(values, Shipment(message))
+        if transaction is None:  # outside any transaction: the row is written and committed on its own
+            with self.flavour.standalone(self.handoff) as alone:
+                self._write(alone, values, Shipment(message))
         else:
             self._write(transaction, values, Shipment(message))
         return message.id
@@ -133,39 +126,13 @@ class Producer:
         else:
             transaction.after_commit(shipment)
 
-    def _joinable_transaction(self) -> OutboxTransaction | None:
-        """A transaction the application opened without `@transactional`: a Django `atomic` block."""
-        if self.using is None:
-            return None
-        from qmq.contrib.django.tx import DjangoTransaction, in_atomic_block
-
-        return DjangoTransaction(self, self.using) if in_atomic_block(self.using) else None
-
-    def _send_alone(self, values: dict[str, Any], shipment: Shipment) -> None:
-        """Outside any transaction: the row is written and committed on its own, then shipped."""
-        if self.using is not None:
-            from qmq.contrib.django.tx import DjangoTransaction, atomic
-
-            with atomic(self.using):
-                self._write(DjangoTransaction(self, self.using), values, shipment)
-            return
-        engine = self.sender_engine()
-        lease = self.sender.token if self.after_commit and self.sender.has_room() else None
-        with engine.begin() as conn:
-            params = {**values, "lease_token": lease, "lease_s": self.insert_lease_s} if lease else values
-            conn.execute(insert(conn.dialect.name, lease is not None), params)
-            if lease is None and conn.dialect.name == "postgresql":
-                conn.execute(sa.text(NOTIFY_SQL))
-        if lease is not None:
-            self.handoff([shipment])
-
     # ---- after the commit --------------------------------------------------------------------------
 
     @property
     def sender(self) -> Sender:
         if self._sender is None:
             self._sender = Sender(
-                self.sender_engine, self._new_client, token=str(uuid.uuid4()), lease_s=self.insert_lease_s
+                self.flavour.engine, self._new_client, token=str(uuid.uuid4()), lease_s=self.insert_lease_s
             )
         return self._sender
 
@@ -183,46 +150,6 @@ class Producer:
         if self._sender is not None:
             self._sender.close()
         _live_producers.discard(self)
-
-    def learn_engine(self, engine: sa.Engine) -> None:
-        """The engine the application's sessions write through, when the Producer got only `session=`."""
-        if self._learned_engine is None:
-            self._learned_engine = engine
-
-    def sender_engine(self) -> sa.Engine:
-        """The engine the sender reads and marks rows with (its own connections, outside the app's)."""
-        if self.engine is not None:
-            return self.engine
-        if self._learned_engine is not None:
-            return self._learned_engine
-        if self.using is not None:
-            from qmq.contrib.django.engine import engine_for_alias
-
-            self._learned_engine = engine_for_alias(self.using)
-            return self._learned_engine
-        raise RuntimeError("this Producer has no engine yet: give engine= or send inside @qmq.transactional first")
-
-    def database_name(self) -> str:
-        """The outbox database's name, as the `qmq-producer` header gives it."""
-        if self._database_name is None:
-            if self.engine is None and self._learned_engine is None and self.using is not None:
-                from qmq.contrib.django.engine import url_for_alias
-
-                self._database_name = str(url_for_alias(self.using).database or "")
-            else:
-                self._database_name = str(self.sender_engine().url.database or "")
-        return self._database_name
-
-    def default_session(self) -> Session:
-        """A Session for `@qmq.transactional` when the function is not given one: the Producer's
-        `session` (called if it is a factory or Flask-SQLAlchemy's scoped session), else a new one."""
-        if isinstance(self.session, Session):
-            return self.session
-        if isinstance(self.session, scoped_session) or callable(self.session):
-            return self.session()
-        if self.engine is None:
-            raise RuntimeError("@qmq.transactional needs a session: give the Producer engine= or session=")
-        return Session(self.engine)
 
     def _new_client(self) -> Client:
         client_id = f"producer-{socket.gethostname()}-{os.getpid()}"

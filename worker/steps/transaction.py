@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from worker.middleware import Call, Next
 from worker.outcome import Kind, Outcome
+from worker.steps.step import Call, Next
 
 
 def transaction_step(call: Call, call_next: Next) -> Outcome:

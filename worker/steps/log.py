@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from worker.middleware import Call, Next
 from worker.outcome import Kind, Outcome
+from worker.steps.step import Call, Next
 
 log = logging.getLogger("qmq.worker")
 

@@ -1,5 +1,5 @@
-"""Steps around a handler, in the manner of Dramatiq's middleware: each step gets the call and the
-rest of the chain, and may act before, after, or instead of it.
+"""The step protocol: steps around a handler, in the manner of Dramatiq's middleware. Each step gets
+the call and the rest of the chain, and may act before, after, or instead of it.
 
     def audit(call: Call, call_next: Next) -> Outcome:
         started = time.monotonic()
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
 
-    from worker.app import Consumer
+    from worker.consumer import Consumer
 
 
 @dataclass(slots=True)

@@ -29,9 +29,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from worker.middleware import Call, Next
 from worker.outcome import DUPLICATE, Kind, Outcome
 from worker.schema import consumed
+from worker.steps.step import Call, Next
 
 log = logging.getLogger("qmq.worker")
 
