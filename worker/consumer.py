@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol
 
 from sqlalchemy.engine import Engine
 
+from worker.database import ConsumerDatabase
 from worker.hooks import Hooks
 from worker.retry_policy import RetryPolicy
 
@@ -25,6 +26,9 @@ class ConsumerApp(Protocol):
     steps: list[Callable[..., Any]]  # the app's own steps (worker/steps/step.py: Step)
     redis_prefix: str
     idempotency_window: timedelta
+
+    @property
+    def database(self) -> ConsumerDatabase: ...
 
     @property
     def engine(self) -> Engine: ...
@@ -44,7 +48,7 @@ class Consumer:
     tags: tuple[str, ...] = ()
     match_all: bool = False
     broadcast: bool = False
-    start: str = "latest"
+    start: str | None = None  # where a group new to a broker starts; None: the worker's --from (earliest)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     time_limit: float | None = None
     idempotent: Idempotent = False

@@ -63,7 +63,7 @@ class RetryPolicy:
         """The outcome of a delivery (its `attempts`-th) that raised `exc`."""
         reason = describe(exc)
         if isinstance(exc, Reject):
-            return Outcome(Kind.DEAD, reason=reason, error=exc)
+            return Outcome(Kind.DEAD, reason=reason, error=exc, rejected=True)
         if not isinstance(exc, Retry) and (
             not isinstance(exc, self.autoretry_for) or isinstance(exc, self.dont_autoretry_for)
         ):

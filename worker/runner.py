@@ -27,7 +27,8 @@ from qmq.protocol.limits import consumer_id_from
 from worker.app import App
 from worker.capacity import Capacity
 from worker.consumer import Consumer
-from worker.feeder import PULL_WAIT_S, Feeder
+from worker.database import MissingTables, check_tables
+from worker.feeder import PULL_WAIT_S, SUBSCRIBE_RETRY_MAX_S, SUBSCRIBE_RETRY_S, Feeder
 from worker.hooks import log as hooks_log
 from worker.http import serve
 from worker.liveness import DEFAULT_TIMEOUT_S, BacklogProbe, Liveness, broadcast_group_key
@@ -70,6 +71,9 @@ class WorkerOptions:
     liveness_timeout_s: float = DEFAULT_TIMEOUT_S
     app_spec: str | None = None  # how a pool process imports the app (-P processes)
     log_level: str = "WARNING"
+    # Where a consumer group new to a broker starts, for consumers that do not say (@app.consumer(start=)):
+    # "earliest", so that nothing committed before the first worker ran is skipped; "latest" to opt out.
+    start: str = "earliest"
 
     def resolved_concurrency(self) -> int:
         if self.pool == "solo":
@@ -125,9 +129,13 @@ class Worker:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         if o.pool == "threads":
             self.app.pool_size = max(self.app.pool_size, self.concurrency)
-        self.client = self.app.client(o.meta, o.brokers, o.token, client_id=self.hostname)
-        self.feeders = [Feeder(c, self.client, self.hostname, self.capacity, self._dispatch) for c in self.consumers]
         self.shutdown.install()
+        if not self._wait_for_tables():
+            return 0
+        self.client = self.app.client(o.meta, o.brokers, o.token, client_id=self.hostname)
+        self.feeders = [
+            Feeder(c, self.client, self.hostname, self.capacity, self._dispatch, o.start) for c in self.consumers
+        ]
         threading.Thread(target=self._cold_watch, name="qmq-cold-shutdown", daemon=True).start()
         if o.metrics_port is not None:
             self.http = serve(o.metrics_host, o.metrics_port, self.metrics.registry, self.health)
@@ -143,6 +151,24 @@ class Worker:
         if self._exit_code == 0:
             log.warning("warm shutdown complete")
         return self._exit_code
+
+    def _wait_for_tables(self) -> bool:
+        """Check that the database has the tables the consumers need before any of them subscribes:
+        MissingTables (a clear error, the worker does not start) if not; an unreachable database is
+        waited for. False if a shutdown came first."""
+        delay = SUBSCRIBE_RETRY_S
+        needs_consumed = any(c.idempotent is True for c in self.consumers)
+        while True:
+            try:
+                check_tables(self.app.database, needs_consumed)
+                return True
+            except MissingTables:
+                raise
+            except Exception as exc:
+                log.warning("cannot check the app's database (%s); trying again in %.0f s", exc, delay)
+            if self.shutdown.warm.wait(delay):
+                return False
+            delay = min(delay * 2, SUBSCRIBE_RETRY_MAX_S)
 
     def health(self) -> tuple[bool, str]:
         return self.liveness.healthy, self.liveness.reason

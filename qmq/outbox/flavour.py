@@ -8,6 +8,7 @@ producer talks to that flavour only through these protocols, so it knows no fram
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -16,6 +17,15 @@ import sqlalchemy as sa
 from qmq.outbox.shipping import Shipment
 
 Handoff = Callable[[list[Shipment]], None]  # committed messages, to the producer's sender
+
+
+def hand_over(waiting: list[tuple[Handoff, Shipment]]) -> None:
+    """Committed messages to their producers' senders, one call per producer."""
+    by_handoff: dict[Handoff, list[Shipment]] = defaultdict(list)
+    for handoff, shipment in waiting:
+        by_handoff[handoff].append(shipment)
+    for handoff, shipments in by_handoff.items():
+        handoff(shipments)
 
 
 class OutboxTransaction(Protocol):
@@ -41,8 +51,14 @@ class Flavour(Protocol):
         """The transaction the application has open on this thread that `send` joins without being
         told (a Django `atomic` block, the current Flask-SQLAlchemy session), or None."""
 
+    def given_transaction(self, handoff: Handoff, session: Any, connection: Any) -> OutboxTransaction:
+        """The transaction the caller named: `send(..., session=s)` or `send(..., connection=conn)`."""
+
     def standalone(self, handoff: Handoff) -> contextlib.AbstractContextManager[OutboxTransaction]:
         """A transaction of its own, committed when the block ends; its messages then go to `handoff`."""
+
+    def how_to_join(self) -> str:
+        """What the caller can do when `send` finds no transaction (for `NotInTransaction`)."""
 
     def decorate(self, producer: Any, fn: Callable[..., Any], session: Any) -> Callable[..., Any]:
         """`fn` run as one transaction in which `producer.send` writes (`@qmq.transactional`)."""

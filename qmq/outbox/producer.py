@@ -1,14 +1,17 @@
 """`qmq.Producer`: sending a message as part of the application's database transaction.
 
-`send` writes an outbox row in the open transaction (an `@qmq.transactional` block, or a Django
-`atomic` block), so the message commits or rolls back with the business rows. After the commit the
-in-process sender ships it at once; the relay (`qmq relay`) ships whatever the sender could not.
-Outside any transaction, `send` writes and commits the row on its own, then ships it the same way.
+`send` writes an outbox row in the transaction the caller is in, so the message commits or rolls back
+with the business rows: the one it is given (`session=`, `connection=`), an `@qmq.transactional`
+block, a Django `atomic` block, or Flask-SQLAlchemy's `db.session`. When it cannot know the
+transaction it refuses (`NotInTransaction`) rather than commit the message on its own; `send_now`
+is the explicit standalone send. After the commit the in-process sender ships the message at once;
+the relay (`qmq relay`) ships whatever the sender could not.
 
 Promises: `send` returns the message's id, made before the commit (the id consumers and the nightly
-reconciliation see); it raises only for a message that could never be delivered (bad subject, tags,
-key, body or size) or for a database error of the insert itself; a broker that is down never makes it
-raise or block.
+reconciliation see); no path delivers a message whose transaction rolled back; it raises only for a
+message that could never be delivered (bad subject, tags, key, body or size), for a transaction it
+cannot join, or for a database error of the insert itself; a broker that is down never makes it raise
+or block.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import sqlalchemy as sa
 
 from qmq.client.blocking import Client
 from qmq.client.core import InvalidMessage, OutgoingMessage
-from qmq.outbox import context, flavours
+from qmq.outbox import bodies, context, flavours
+from qmq.outbox.errors import NotInTransaction
 from qmq.outbox.flavour import OutboxTransaction
 from qmq.outbox.sender import Sender
 from qmq.outbox.shipping import Shipment
@@ -45,7 +49,9 @@ class Producer:
     Flask-SQLAlchemy's `db.session`, used by `@qmq.transactional` when the function is not given one),
     `using` (a Django database alias); they choose the producer's flavour (qmq/outbox/flavour.py).
     `meta` (or `brokers` and `delay_servers`, lists of "host:port") says where to ship.
-    `after_commit=False` leaves every message to the relay (woken by NOTIFY)."""
+    `after_commit=False` leaves every message to the relay (woken by NOTIFY). `encoder` (a
+    `json.JSONEncoder` subclass or a `default(obj)` callable) encodes body types JSON does not know,
+    beyond datetime, Decimal and UUID (qmq/outbox/bodies.py)."""
 
     def __init__(
         self,
@@ -59,8 +65,10 @@ class Producer:
         token: str | None = None,
         after_commit: bool = True,
         insert_lease_s: float = INSERT_LEASE_S,
+        encoder: bodies.Encoder | None = None,
     ) -> None:
         self.flavour = flavours.choose(engine, session, using)
+        self.encoder = bodies.encoder_class(encoder)
         self.meta = meta or os.environ.get("QMQ_META")
         self.brokers = list(brokers) if brokers else None
         self.delay_servers = list(delay_servers) if delay_servers else None
@@ -84,20 +92,60 @@ class Producer:
         headers: Mapping[str, str] | None = None,
         delay: float | timedelta | None = None,
         deliver_at: datetime | None = None,
+        session: Any = None,
+        connection: Any = None,
     ) -> str:
-        """Write `body` for `subject` into the current transaction's outbox; return the message id.
+        """Write `body` for `subject` into the outbox of the transaction the caller is in; return the
+        message id. The transaction is `session` (a SQLAlchemy Session) or `connection` (a
+        Connection) when given, else the enclosing `@qmq.transactional` block, Django `atomic` block
+        of the producer's alias or Flask-SQLAlchemy `db.session`; with none of them, NotInTransaction.
         Bodies: bytes, str, or anything JSON can encode (the content type is recorded). With `delay`
         (seconds or a timedelta) or `deliver_at` (an aware datetime), the message goes to the delay
         server and is delivered then, never before."""
+        if session is not None or connection is not None:
+            transaction = self.flavour.given_transaction(self.handoff, session, connection)
+        else:
+            transaction = context.current(self) or self.flavour.caller_transaction(self.handoff)
+        if transaction is None:
+            raise NotInTransaction(
+                f"producer.send({subject!r}, ...) is outside any transaction this Producer can join, so its "
+                f"message could neither commit nor roll back with your work. {self.flavour.how_to_join()}. "
+                "For a message that belongs to no transaction, call producer.send_now(...)."
+            )
+        values, shipment = self._prepare(subject, body, key, tags, headers, delay, deliver_at)
+        self._write(transaction, values, shipment)
+        return shipment.message.id
+
+    def send_now(self, subject: str, body: Any, **options: Any) -> str:
+        """Send a message that belongs to no transaction: its outbox row is written and committed on
+        its own, at once, then shipped like any other (the row still guarantees delivery). Takes
+        `send`'s options but `session` and `connection`. Never use it for a message about work that
+        might still roll back."""
+        if "session" in options or "connection" in options:
+            raise TypeError("send_now() makes its own transaction: it takes no session= or connection=")
+        with self.flavour.standalone(self.handoff) as alone, context.opened(self, alone):
+            return self.send(subject, body, **options)
+
+    def _prepare(
+        self,
+        subject: str,
+        body: Any,
+        key: str | None,
+        tags: Sequence[str],
+        headers: Mapping[str, str] | None,
+        delay: float | timedelta | None,
+        deliver_at: datetime | None,
+    ) -> tuple[dict[str, Any], Shipment]:
+        """The outbox row's values and the message, checked: raises now, in the caller, for what a
+        broker would refuse, rather than in the relay, forever."""
         when = _deliver_at(delay, deliver_at)
-        raw, content_type = envelope.encode_body(body)
-        transaction = context.current(self) or self.flavour.caller_transaction(self.handoff)
+        raw, content_type = bodies.encode(body, self.encoder)
         headers = {**(headers or {}), envelope.PRODUCER_HEADER: f"outbox:{self.flavour.database_name()}"}
         message = OutgoingMessage(
             subject, raw, key=key, tags=tuple(tags), headers=headers, content_type=content_type, deliver_at=when
         )
-        payload = message.to_wire()["payload"]  # raises InvalidMessage now, in the caller, for what a broker...
-        if len(payload) > MAX_MESSAGE_BYTES:  # ...would refuse, rather than in the relay, forever
+        payload = message.to_wire()["payload"]  # InvalidMessage for a bad subject, tag or key
+        if len(payload) > MAX_MESSAGE_BYTES:
             raise InvalidMessage(
                 ErrorCode.MESSAGE_TOO_LARGE, f"message is {len(payload)} bytes, the limit is {MAX_MESSAGE_BYTES}"
             )
@@ -111,12 +159,7 @@ class Producer:
             "key": key,
             "deliver_at": when,
         }
-        if transaction is None:  # outside any transaction: the row is written and committed on its own
-            with self.flavour.standalone(self.handoff) as alone:
-                self._write(alone, values, Shipment(message))
-        else:
-            self._write(transaction, values, Shipment(message))
-        return message.id
+        return values, Shipment(message)
 
     def _write(self, transaction: OutboxTransaction, values: dict[str, Any], shipment: Shipment) -> None:
         lease = self.sender.token if self.after_commit and self.sender.has_room() else None

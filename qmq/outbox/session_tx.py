@@ -9,14 +9,13 @@ are not there.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from qmq.outbox import rows
-from qmq.outbox.flavour import Handoff
+from qmq.outbox.flavour import Handoff, hand_over
 from qmq.outbox.notify import NOTIFY_SQL
 from qmq.outbox.shipping import Shipment
 
@@ -61,11 +60,7 @@ def _after_commit(session: Session) -> None:
     session.info.pop(_NOTIFIED, None)
     if not waiting:
         return
-    by_handoff: dict[Handoff, list[Shipment]] = defaultdict(list)
-    for handoff, shipment in waiting:
-        by_handoff[handoff].append(shipment)
-    for handoff, shipments in by_handoff.items():
-        handoff(shipments)
+    hand_over(waiting)
 
 
 def _after_transaction_end(session: Session, transaction: Any) -> None:

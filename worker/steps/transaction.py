@@ -1,17 +1,12 @@
 """The transaction step: for a consumer that uses the database (it is idempotent with SQL, or its
-handler takes a `session` argument), one transaction on the app's engine is opened around the rest
-of the chain and committed when it returns an outcome to acknowledge; any exception rolls it back.
-The worker acknowledges only after that commit, so a crash anywhere before it leaves the message to
-be delivered again and nothing of its handling in the database.
-
-The handler's `Session` is bound to that transaction's connection (SQLAlchemy's "join an external
-transaction" recipe): its writes are flushed and committed with the idempotency record. It is made
-only for handlers that ask for it; a handler must not commit it itself.
+handler takes a `session` argument), one transaction of the app's database (worker/database.py:
+SQLAlchemy, or a Django `atomic` block) is opened around the rest of the chain and committed when it
+returns an outcome to acknowledge; any exception rolls it back. The worker acknowledges only after
+that commit, so a crash anywhere before it leaves the message to be delivered again and nothing of
+its handling in the database.
 """
 
 from __future__ import annotations
-
-from sqlalchemy.orm import Session
 
 from worker.outcome import Kind, Outcome
 from worker.steps.step import Call, Next
@@ -21,23 +16,12 @@ def transaction_step(call: Call, call_next: Next) -> Outcome:
     consumer = call.consumer
     if not consumer.uses_db:
         return call_next(call)
-    with consumer.app.engine.connect() as connection:
-        transaction = connection.begin()
-        call.connection = connection
-        session = call.session = Session(bind=connection, expire_on_commit=False) if consumer.wants_session else None
+    with consumer.app.database.transaction(consumer.wants_session) as transaction:
+        call.transaction, call.connection, call.session = transaction, transaction.connection, transaction.session
         try:
             outcome = call_next(call)
-            if session is not None:
-                session.flush()
-        except BaseException:
-            transaction.rollback()
-            raise
         finally:
-            call.connection = call.session = None
-            if session is not None:
-                session.close()
-        if outcome.kind in (Kind.ACK, Kind.DUPLICATE):
-            transaction.commit()
-        else:  # a step chose a retry or a dead letter without raising: nothing of this attempt stays
-            transaction.rollback()
-        return outcome
+            call.transaction = call.connection = call.session = None
+        if outcome.kind not in (Kind.ACK, Kind.DUPLICATE):  # a step chose a retry or a dead letter: nothing stays
+            transaction.rollback_only()
+    return outcome

@@ -51,6 +51,18 @@ class DjangoFlavour:
     def caller_transaction(self, handoff: Handoff) -> OutboxTransaction | None:
         return DjangoTransaction(handoff, self.alias) if connections[self.alias].in_atomic_block else None
 
+    def given_transaction(self, handoff: Handoff, session: Any, connection: Any) -> OutboxTransaction:
+        raise TypeError(
+            "send(session=...) and send(connection=...) are for SQLAlchemy producers; a Django producer "
+            f"joins the transaction.atomic block of its alias ({self.alias!r})"
+        )
+
+    def how_to_join(self) -> str:
+        return (
+            f"Run it inside transaction.atomic(using={self.alias!r}) (or a function decorated with "
+            "@qmq.transactional(producer), or a view under ATOMIC_REQUESTS)"
+        )
+
     @contextlib.contextmanager
     def standalone(self, handoff: Handoff) -> Iterator[OutboxTransaction]:
         with transaction.atomic(using=self.alias):
