@@ -361,11 +361,12 @@ def test_a_decorated_function_joins_the_transaction_its_caller_has_open(pg_produ
         assert committed_ids(pg_engine) == set()  # part of the caller's transaction: not committed yet
     with pg_engine.begin() as conn:
         conn.execute(orders.insert().values(id=10, item="caller's own row"))
-        in_connection = place(item="dddd")
+        in_connection = [place(item="dddd"), place(item="ffffff")]
+        assert committed_ids(pg_engine) == {in_session}
     alone = place(item="eeeee")  # no transaction open: its own, committed when it returns
     assert pg_producer.flush(10)
-    assert delivered_ids(broker, "order.created", 3) == sorted([in_session, in_connection, alone])
-    assert order_count(pg_engine) == 4
+    assert delivered_ids(broker, "order.created", 4) == sorted([in_session, *in_connection, alone])
+    assert order_count(pg_engine) == 5
 
 
 def test_bodies_encode_dates_decimals_and_uuids_and_take_an_encoder(engine, broker) -> None:

@@ -66,7 +66,8 @@ def _session_ended(session: Session, transaction: Any) -> None:
 
 
 def _session_connected(session: Session, transaction: Any, connection: sa.Connection) -> None:
-    remove(connection)  # the session's own connection: the session stands for it
+    if not isinstance(session.bind, sa.Connection):  # the session's own connection: the session stands for it
+        remove(connection)
 
 
 sa.event.listen(Session, "after_transaction_create", _session_began)
