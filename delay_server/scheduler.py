@@ -42,7 +42,7 @@ from delay_server.schedule_log import (
 )
 from delay_server.wheel import TICK_MS, Wheel, ref, split_ref, tick_of
 from qmq.client.aio import AsyncClient
-from qmq.client.core import ForwardedMessage
+from qmq.client.messages import ForwardedMessage
 from qmq.metrics import Histogram
 from qmq.store import record as rec
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from alembic import context
 
+from migrations.tables import all_tables
 from qmq.db.engine import create_engine
-from qmq.db.metadata import all_tables
 from qmq.db.migrate import QMQ_VERSION_TABLE
 from qmq.db.url import resolve_url
 

@@ -66,7 +66,7 @@ def test_a_celery_worker_runs_relay_sweeps(pg_url, processes, tmp_path, celery_a
         upgrade(url)
         engine = create_engine(url)
         producer = qmq.Producer(brokers=["127.0.0.1:1"], engine=engine, after_commit=False)
-        ids = [producer.send("invoice.issued", {"n": n}) for n in range(40)]
+        ids = [producer.send_now("invoice.issued", {"n": n}) for n in range(40)]
         producer.close()
 
         kwargs = {"db": url, "brokers": [broker.address], "batch_rows": 16}

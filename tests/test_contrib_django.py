@@ -4,6 +4,9 @@ broker."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import django
 import pytest
 import sqlalchemy as sa
@@ -13,11 +16,12 @@ from django.db import connections, transaction
 
 import qmq
 from qmq.db.engine import create_engine
-from qmq.db.migrate import upgrade
+from qmq.db.migrate import head_revision, upgrade
 from qmq.outbox.schema import outbox
 from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
 from tests.support.outbox import committed_ids, consume, states
+from worker.schema import consumed
 
 ALIASES = ["default", "orders"]  # SQLite and PostgreSQL
 
@@ -62,6 +66,7 @@ def alias(request, django_dbs):
     with connections[request.param].cursor() as cursor:
         cursor.execute("DELETE FROM orders")
         cursor.execute("DELETE FROM qmq_outbox")
+        cursor.execute("DELETE FROM qmq_consumed")
 
 
 @pytest.fixture
@@ -94,32 +99,62 @@ def order_ids(alias: str) -> list[int]:
         return [r[0] for r in cursor.fetchall()]
 
 
-def test_the_migrations_make_the_same_table_as_alembic(django_dbs, alias, tmp_path, pg_url) -> None:
-    def shape(url: str) -> dict:
+def test_the_migrations_make_the_same_tables_as_alembic(django_dbs, alias, tmp_path, pg_url) -> None:
+    def shape(url: str, table: str) -> dict:
         engine = create_engine(url)
         inspector = sa.inspect(engine)
-        columns = {
-            c["name"]: (str(c["type"]).split("(")[0], c["nullable"]) for c in inspector.get_columns("qmq_outbox")
-        }
-        indexes = {i["name"]: tuple(i["column_names"]) for i in inspector.get_indexes("qmq_outbox")}
+        columns = {c["name"]: (str(c["type"]).split("(")[0], c["nullable"]) for c in inspector.get_columns(table)}
+        indexes = {i["name"]: tuple(i["column_names"]) for i in inspector.get_indexes(table)}
+        key = tuple(inspector.get_pk_constraint(table)["constrained_columns"])
         with engine.connect() as conn:
             options = (
-                conn.execute(sa.text("SELECT reloptions FROM pg_class WHERE relname = 'qmq_outbox'")).scalar()
+                conn.execute(sa.text("SELECT reloptions FROM pg_class WHERE relname = :t"), {"t": table}).scalar()
                 if engine.dialect.name == "postgresql"
                 else None
             )
         engine.dispose()
-        return {"columns": columns, "indexes": indexes, "options": options}
+        return {"columns": columns, "indexes": indexes, "key": key, "options": options}
+
+    def shapes(url: str) -> dict:
+        return {table.name: shape(url, table.name) for table in (outbox, consumed)}
 
     if alias == "default":
         alembic_url = f"sqlite:///{tmp_path / 'alembic.sqlite3'}"
         upgrade(alembic_url)
-        assert shape(django_dbs[alias]) == shape(alembic_url)
+        assert shapes(django_dbs[alias]) == shapes(alembic_url)
     else:
         with fresh_database(pg_url) as alembic_url:
             upgrade(alembic_url)
-            assert shape(django_dbs[alias]) == shape(alembic_url)
-    assert set(shape(django_dbs[alias])["columns"]) == {c.name for c in outbox.columns}
+            assert shapes(django_dbs[alias]) == shapes(alembic_url)
+    for table in (outbox, consumed):
+        assert set(shape(django_dbs[alias], table.name)["columns"]) == {c.name for c in table.columns}
+
+
+def test_qmq_db_upgrade_stamps_what_django_migrated_and_migrate_after_it_works(django_dbs, pg_url) -> None:
+    """Issue 15, case 5: `qmq db upgrade` on a database Django already migrated stamps the tables
+    there instead of failing with DuplicateTable; Django's migrations on a database `qmq db upgrade`
+    made skip the tables that exist."""
+    upgraded = subprocess.run(
+        [sys.executable, "-m", "qmq", "db", "upgrade", "--db", django_dbs["orders"]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert "revision 0002 stamped" in upgraded.stderr and "revision 0003 stamped" in upgraded.stderr
+    assert "Traceback" not in upgraded.stderr
+    assert f"at revision {head_revision()}" in upgraded.stdout
+    with fresh_database(pg_url) as url:
+        upgrade(url)
+        connections.databases["alembic_first"] = {**connections.databases["orders"], "NAME": url.rsplit("/", 1)[1]}
+        try:
+            call_command("migrate", database="alembic_first", verbosity=0)
+            with connections["alembic_first"].cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM django_migrations WHERE app = 'qmq'")
+                assert cursor.fetchone()[0] == 2
+        finally:
+            connections["alembic_first"].close()
+            del connections.databases["alembic_first"]
 
 
 def test_commit_delivers_rollback_never_and_a_savepoint_drops_only_its_messages(
@@ -161,7 +196,9 @@ def test_an_atomic_block_of_the_app_is_joined_without_the_decorator(producer, al
     with pytest.raises(ValueError), transaction.atomic(using=alias):
         producer.send("order.created", "rolled back")
         raise ValueError
-    alone = producer.send("order.created", "outside any transaction")  # commits on its own
+    with pytest.raises(qmq.NotInTransaction, match=r"transaction\.atomic"):
+        producer.send("order.created", "outside any transaction")
+    alone = producer.send_now("order.created", "outside any transaction")  # commits on its own
     assert producer.flush(10)
     assert states(engine) == {joined: "sent", alone: "sent"}
     assert sorted(d.id for d in consume(broker.address, "order.created", 2)) == sorted([joined, alone])
@@ -169,8 +206,7 @@ def test_an_atomic_block_of_the_app_is_joined_without_the_decorator(producer, al
 
 def test_a_transaction_on_another_alias_is_not_the_producers(producer, alias, engine) -> None:
     other = next(a for a in ALIASES if a != alias)
-    with pytest.raises(ValueError), transaction.atomic(using=other):
-        message_id = producer.send("order.created", "its own transaction")
-        raise ValueError("rolls back the other alias only")
+    with pytest.raises(qmq.NotInTransaction, match=f"using='{alias}'"), transaction.atomic(using=other):
+        producer.send("order.created", "not in a transaction of the producer's alias")
     assert producer.flush(10)
-    assert states(engine) == {message_id: "sent"}
+    assert states(engine) == {}

@@ -15,7 +15,7 @@ from qmq.db.engine import create_engine, fix_sqlite_transactions
 from qmq.db.migrate import upgrade
 from qmq.db.url import normalize_url
 from tests.support.broker import start_broker
-from tests.support.databases import sqlite_or_postgres
+from tests.support.databases import fresh_database, sqlite_or_postgres
 from tests.support.outbox import consume, states
 
 
@@ -87,3 +87,47 @@ def test_views_commit_their_messages_with_their_rows(shop, db_url, broker) -> No
         assert sorted(o.id for o in db.session.scalars(db.select(order_model))) == [1, 7]
     assert sorted(d.body["id"] for d in consume(broker.address, "order.created", 2)) == [1, 7]
     assert [d.body["order"] for d in consume(broker.address, "stock.reserved", 1)] == [1]
+
+
+def test_db_session_is_joined_without_the_decorator_from_the_first_request(pg_url, broker) -> None:
+    """Issue 15, case 2: `Producer(session=db.session)` and `db.session.add(o); producer.send(...);
+    db.session.rollback()` delivers nothing, in a fresh process as after a decorated request, and
+    `db.session.commit()` delivers once."""
+    with fresh_database(pg_url) as url:
+        upgrade(url)
+        app = Flask("fresh_shop")
+        app.config["SQLALCHEMY_DATABASE_URI"] = normalize_url(url)
+        db = SQLAlchemy(app)
+
+        class Order(db.Model):
+            id: Mapped[int] = mapped_column(primary_key=True)
+
+        producer = qmq.Producer(brokers=[broker.address], session=db.session)  # no engine: learnt from db.session
+
+        @qmq.transactional(producer)
+        def decorated(order_id: int) -> str:
+            db.session.add(Order(id=order_id))
+            return producer.send("order.created", {"id": order_id})
+
+        def undecorated(order_id: int, commit: bool) -> str:
+            db.session.add(Order(id=order_id))
+            message_id = producer.send("order.created", {"id": order_id})
+            db.session.commit() if commit else db.session.rollback()
+            return message_id
+
+        with app.app_context():
+            db.create_all()
+            rolled_back = [undecorated(1, commit=False)]  # first thing this producer ever does
+        with app.app_context():
+            committed = [decorated(2)]
+        with app.app_context():
+            rolled_back.append(undecorated(3, commit=False))
+            committed.append(undecorated(4, commit=True))
+            assert sorted(o.id for o in db.session.scalars(db.select(Order))) == [2, 4]
+            db.session.remove()
+            db.engine.dispose()
+        assert producer.flush(10)
+        producer.close()
+        delivered = consume(broker.address, "order.created", 2)
+        assert sorted(d.id for d in delivered) == sorted(committed)
+        assert not set(rolled_back) & {d.id for d in delivered}

@@ -18,8 +18,9 @@ from delay_server.scheduler import Scheduler
 from delay_server.service import DelayService
 from delay_server.verify import verify_delay_files
 from delay_server.wheel import TICK_MS, Wheel, ref, split_ref, tick_of
-from qmq.client.core import OutgoingMessage, SendJob, merge_cancel_outcomes
+from qmq.client.messages import OutgoingMessage
 from qmq.client.routes import static_route
+from qmq.client.sending import SendJob, merge_cancel_outcomes
 from qmq.protocol.codes import RequestCode
 from qmq.store import record as rec
 from qmq.store.store import LogStore

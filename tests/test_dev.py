@@ -1,49 +1,88 @@
 """`qmq dev`: one command brings up a meta server, a broker group, the delay server and a relay that a
-producer and a consumer can use at once; Ctrl-C takes every one of them down."""
+producer and a consumer can use at once, with metrics when asked; a server that dies is reported and
+started again while the others keep running, and the relay ships what the app committed meanwhile
+into its own PostgreSQL database; Ctrl-C takes every one of them down."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
+import urllib.request
 
 import qmq
 from qmq.client.blocking import Client
 from qmq.db.engine import create_engine
 from tests.support.broker import ROOT
+from tests.support.databases import fresh_database
+from tests.support.outbox import consume, outbox_rows
 from tests.test_meta import log_text, wait_until
 
+FREE_PORTS = ("--meta-port", "0", "--broker-port", "0", "--delay-port", "0")
+DEV_ENV = {"PYTHONPATH": str(ROOT), "QMQ_DB_URL": "", "QMQ_META": ""}
 
-def test_the_dev_cluster_serves_and_stops_on_ctrl_c(processes, tmp_path) -> None:
+
+def start_dev(processes, tmp_path, *flags: str):
+    """`qmq dev` on free ports; returns the process and what it printed once it is up."""
     dev = processes.start(
-        [
-            "-m",
-            "qmq",
-            "dev",
-            "--data-dir",
-            str(tmp_path / "dev"),
-            "--meta-port",
-            "0",
-            "--broker-port",
-            "0",
-            "--delay-port",
-            "0",
-        ],
+        ["-m", "qmq", "dev", "--data-dir", str(tmp_path / "dev"), *FREE_PORTS, *flags],
         name="dev",
-        env={"PYTHONPATH": str(ROOT), "QMQ_DB_URL": "", "QMQ_META": ""},
+        env=DEV_ENV,
     )
     text = wait_until(
         lambda: "Ctrl-C stops everything" in log_text(dev) and log_text(dev), "the cluster is up", deadline_s=60
     )
+    return dev, text
+
+
+def children(dev) -> dict[str, int]:
+    """The cluster's servers by name ("meta", "broker", "delay-server", "relay"): their pids."""
+    listing = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(dev.pid)], capture_output=True, text=True)
+    found = {}
+    for line in listing.stdout.splitlines():
+        pid, args = line.split(None, 1)
+        found[args.split(" -m qmq ", 1)[1].split()[0]] = int(pid)
+    return found
+
+
+def scrape(port: int) -> bytes:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            return reply.read()
+    except OSError:
+        return b""
+
+
+def alive(pid: int) -> bool:
+    return subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0
+
+
+def qmq_cli(*args: str, meta: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qmq", *args, "--meta", meta],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **DEV_ENV},
+    )
+
+
+def test_the_dev_cluster_serves_and_stops_on_ctrl_c(processes, tmp_path) -> None:
+    dev, text = start_dev(processes, tmp_path, "--metrics-port", "0")
     meta = re.search(r"QMQ_META=(\S+)", text).group(1)
     outbox_url = re.search(r"QMQ_DB_URL=(\S+)", text).group(1)
-    children = subprocess.run(["pgrep", "-P", str(dev.pid)], capture_output=True, text=True).stdout.split()
-    assert len(children) == 4  # meta, broker, delay server, relay
+    servers = children(dev)
+    assert set(servers) == {"meta", "broker", "delay-server", "relay"}
+    metrics = dict(re.findall(r"(meta|broker|delay-server|relay) (\d+)", text.split("metrics", 1)[1]))
+    for port in metrics.values():  # the relay has no port of its own to wait for: its metrics may come later
+        wait_until(lambda port=port: b"# TYPE" in scrape(port), f"metrics on port {port}")
 
     engine = create_engine(outbox_url)
     producer = qmq.Producer(meta=meta, engine=engine, after_commit=False)  # left to the cluster's relay
-    relayed = producer.send("dev.check", {"via": "relay"})
+    relayed = producer.send_now("dev.check", {"via": "relay"})
     producer.close()
     with Client(meta=meta) as client:
         direct = client.send_one("dev.check", {"via": "client"}).message_id
@@ -54,7 +93,52 @@ def test_the_dev_cluster_serves_and_stops_on_ctrl_c(processes, tmp_path) -> None
         sub.close()
     engine.dispose()
 
+    # The quick start's line: a JSON string body arrives as application/json.
+    sent = qmq_cli("send", "hello", '"world"', "--json", meta=meta)
+    assert sent.returncode == 0, sent.stderr
+    tail = qmq_cli("tail", "hello", "--group", "me", "--from", "earliest", "--count", "1", meta=meta)
+    assert tail.returncode == 0, tail.stderr
+    message = json.loads(tail.stdout.splitlines()[0])
+    assert (message["id"], message["body"], message["content_type"]) == (
+        sent.stdout.strip(),
+        "world",
+        "application/json",
+    )
+
     os.killpg(dev.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
     assert dev.wait(30) == 0
-    for pid in children:
-        assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0, f"{pid} still runs"
+    for pid in servers.values():
+        assert not alive(pid), f"{pid} still runs"
+
+
+def test_a_broker_killed_under_qmq_dev_comes_back_and_the_relay_ships_what_was_committed_meanwhile(
+    processes, tmp_path, pg_url
+) -> None:
+    with fresh_database(pg_url) as app_db:
+        dev, text = start_dev(processes, tmp_path, "--db", app_db, "--restart-after", "4")
+        meta = re.search(r"QMQ_META=(\S+)", text).group(1)
+        broker = re.search(r"broker group +\S+ +(\S+)", text).group(1)
+        servers = children(dev)
+        engine = create_engine(app_db)  # the app's own database, which `qmq dev --db` watches
+        producer = qmq.Producer(meta=meta, engine=engine)
+
+        @qmq.transactional(producer)
+        def place_order(session, order_id: int) -> str:
+            return producer.send("order.created", {"id": order_id})
+
+        os.kill(servers["broker"], signal.SIGKILL)
+        wait_until(lambda: "the broker exited with -9" in log_text(dev), "qmq dev reports the dead broker")
+        committed = place_order(order_id=1)  # during the outage
+        assert producer.flush(10)
+        row = outbox_rows(engine)[committed]
+        assert row.state == "pending" and row.attempts >= 1  # the after-commit sender could not ship it
+        assert all(alive(servers[name]) for name in ("meta", "delay-server", "relay"))  # the others keep running
+
+        wait_until(lambda: "the broker is running again" in log_text(dev), "qmq dev starts the broker again")
+        [delivery] = consume(broker, "order.created", 1)
+        assert (delivery.id, delivery.body) == (committed, {"id": 1})
+        wait_until(lambda: outbox_rows(engine)[committed].state == "sent", "the relay marked it sent")
+        producer.close()
+        engine.dispose()
+        os.killpg(dev.pid, signal.SIGINT)
+        assert dev.wait(30) == 0

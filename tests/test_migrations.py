@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
+from migrations.tables import all_tables
 from qmq.db.engine import create_engine
-from qmq.db.metadata import all_tables
 from qmq.db.migrate import QMQ_VERSION_TABLE, exclude_qmq_tables, head_revision
 from qmq.db.url import normalize_url
 from qmq.meta import schema

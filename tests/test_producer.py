@@ -5,14 +5,16 @@ never waits for or fails because of a broker."""
 from __future__ import annotations
 
 import concurrent.futures
+import uuid
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 import qmq
-from qmq.client.core import InvalidMessage
+from qmq.client.errors import InvalidMessage
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
 from qmq.outbox import rows
@@ -129,8 +131,8 @@ def test_a_transaction_the_caller_began_is_joined_and_ships_after_its_commit(pro
     assert [d.body for d in consume(broker.address, "note", 1)] == ["kept"]
 
 
-def test_outside_a_transaction_send_commits_its_row_alone(producer, engine, broker) -> None:
-    message_id = producer.send("audit.event", "user logged in")
+def test_send_now_commits_its_row_alone(producer, engine, broker) -> None:
+    message_id = producer.send_now("audit.event", "user logged in")
     assert message_id in outbox_rows(engine)  # committed before send returned
     assert producer.flush(10)
     assert states(engine) == {message_id: "sent"}
@@ -146,13 +148,15 @@ def test_bad_messages_are_refused_in_the_app_and_nothing_is_written(producer, en
     with pytest.raises(InvalidMessage, match="subject"):
         send(subject="has spaces")
     with pytest.raises(TypeError, match="JSON"):
-        producer.send("ok.subject", object())
+        producer.send_now("ok.subject", object())
+    with pytest.raises(ValueError, match="NaN"):
+        producer.send_now("ok.subject", {"price": float("nan")})
     with pytest.raises(InvalidMessage, match="the limit is"):
-        producer.send("ok.subject", b"x" * (5 * 1024 * 1024))
+        producer.send_now("ok.subject", b"x" * (5 * 1024 * 1024))
     with pytest.raises(ValueError, match="730 days"):
         send(subject="order.timeout", delay=800 * 86400)
     with pytest.raises(ValueError, match="timezone"):
-        producer.send("order.timeout", "x", deliver_at=datetime(2030, 1, 1))
+        producer.send_now("order.timeout", "x", deliver_at=datetime(2030, 1, 1))
     assert outbox_rows(engine) == {} and order_count(engine) == 0
 
 
@@ -176,7 +180,7 @@ def test_a_broker_that_is_down_never_fails_the_app(engine, tmp_path, processes) 
 
 def test_a_full_sender_leaves_rows_for_the_relay(engine, broker) -> None:
     producer = qmq.Producer(brokers=[broker.address], engine=engine, after_commit=False)
-    message_id = producer.send("order.created", "for the relay")
+    message_id = producer.send_now("order.created", "for the relay")
     row = outbox_rows(engine)[message_id]
     assert (row.state, row.lease_token) == ("pending", None)  # no lease: any relay may ship it now
     producer.close()
@@ -231,3 +235,165 @@ def test_delayed_messages_arrive_when_due_never_before(engine, broker, processes
     [delivery] = consume(broker.address, "payment.timeout", 1)
     assert delivery.id == timeout_id and delivery.body == {"order": 1}
     assert delivery.stored_at >= due.replace(microsecond=due.microsecond // 1000 * 1000)
+
+
+# ---- issue 15: natural code joins the caller's transaction or is refused; never a rolled-back message -------
+
+
+class Oops(Exception):
+    """The application changing its mind: its transaction rolls back."""
+
+
+def attempt(fn) -> BaseException | None:
+    """Run `fn`; the exception it raised, if any (asserted on after the deliveries were checked)."""
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
+
+
+@pytest.fixture
+def pg_engine(pg_url):
+    with fresh_database(pg_url) as url:
+        upgrade(url)
+        engine = create_engine(url)
+        orders.create(engine)
+        yield engine
+        engine.dispose()
+
+
+@pytest.fixture
+def pg_producer(pg_engine, broker):
+    producer = qmq.Producer(brokers=[broker.address], engine=pg_engine)
+    yield producer
+    producer.close()
+
+
+def delivered_ids(broker, subject: str, expected: int) -> list[str]:
+    return sorted(d.id for d in consume(broker.address, subject, expected))
+
+
+def test_a_send_that_is_not_told_its_transaction_is_refused_and_delivers_nothing(
+    pg_producer, pg_engine, broker
+) -> None:
+    """Issue 15, case 1: `send` inside a Session or Connection transaction it was not given."""
+
+    def in_a_session() -> None:
+        with Session(pg_engine) as s, s.begin():
+            s.execute(orders.insert().values(id=1, item="book"))
+            pg_producer.send("order.created", {"id": 1})
+            raise Oops
+
+    def in_a_connection() -> None:
+        with pg_engine.begin() as conn:
+            conn.execute(orders.insert().values(id=2, item="book"))
+            pg_producer.send("order.created", {"id": 2})
+            raise Oops
+
+    errors = [attempt(in_a_session), attempt(in_a_connection)]
+    kept = pg_producer.send_now("order.created", {"id": "kept"})  # something that must arrive, to wait for
+    assert pg_producer.flush(10)
+    assert delivered_ids(broker, "order.created", 1) == [kept]
+    assert order_count(pg_engine) == 0
+    for error in errors:
+        assert isinstance(error, qmq.NotInTransaction)
+        assert "session=" in str(error) and "connection=" in str(error) and "send_now" in str(error)
+        assert "open on this thread" in str(error)
+
+
+def test_a_transaction_given_to_send_commits_or_rolls_back_with_it(pg_producer, pg_engine, broker) -> None:
+    """Issue 15, case 1 fixed: `send(session=s)` and `send(connection=conn)`."""
+
+    def session_rolls_back() -> None:
+        with Session(pg_engine) as s, s.begin():
+            s.execute(orders.insert().values(id=1, item="book"))
+            pg_producer.send("order.created", {"id": 1}, session=s)
+            raise Oops
+
+    def connection_rolls_back() -> None:
+        with pg_engine.begin() as conn:
+            conn.execute(orders.insert().values(id=2, item="book"))
+            pg_producer.send("order.created", {"id": 2}, connection=conn)
+            raise Oops
+
+    assert isinstance(attempt(session_rolls_back), Oops)
+    assert isinstance(attempt(connection_rolls_back), Oops)
+    with Session(pg_engine) as s, s.begin():
+        s.execute(orders.insert().values(id=3, item="book"))
+        in_session = pg_producer.send("order.created", {"id": 3}, session=s)
+    with pg_engine.connect() as conn:  # commit as you go: joined, handed to the sender after the commit
+        conn.execute(orders.insert().values(id=4, item="book"))
+        in_connection = pg_producer.send("order.created", {"id": 4}, connection=conn)
+        assert committed_ids(pg_engine) == {in_session}
+        conn.commit()
+    assert pg_producer.flush(10)
+    assert delivered_ids(broker, "order.created", 2) == sorted([in_session, in_connection])
+    assert states(pg_engine) == {in_session: "sent", in_connection: "sent"}  # by the sender, not left for a relay
+    assert order_count(pg_engine) == 2
+
+
+def test_a_decorated_function_joins_the_transaction_its_caller_has_open(pg_producer, pg_engine, broker) -> None:
+    """Issue 15, case 3: `@qmq.transactional` called inside `with SessionLocal() as s, s.begin():`
+    (or `with engine.begin() as conn:`) joins it, instead of committing its row and message alone."""
+    session_local = sessionmaker(pg_engine)
+
+    @qmq.transactional(pg_producer)
+    def place(session: Session, item: str) -> str:
+        session.execute(orders.insert().values(id=len(item), item=item))
+        return pg_producer.send("order.created", {"item": item})
+
+    def session_rolls_back() -> None:
+        with session_local() as s, s.begin():
+            s.execute(sa.text("SELECT 1"))
+            place(item="a")
+            raise Oops
+
+    def connection_rolls_back() -> None:
+        with pg_engine.begin():
+            place(item="bb")
+            raise Oops
+
+    assert isinstance(attempt(session_rolls_back), Oops)
+    assert isinstance(attempt(connection_rolls_back), Oops)
+    with session_local() as s, s.begin():
+        in_session = place(item="ccc")
+        assert committed_ids(pg_engine) == set()  # part of the caller's transaction: not committed yet
+    with pg_engine.begin() as conn:
+        conn.execute(orders.insert().values(id=10, item="caller's own row"))
+        in_connection = [place(item="dddd"), place(item="ffffff")]
+        assert committed_ids(pg_engine) == {in_session}
+    alone = place(item="eeeee")  # no transaction open: its own, committed when it returns
+    assert pg_producer.flush(10)
+    assert delivered_ids(broker, "order.created", 4) == sorted([in_session, *in_connection, alone])
+    assert order_count(pg_engine) == 5
+
+
+def test_bodies_encode_dates_decimals_and_uuids_and_take_an_encoder(engine, broker) -> None:
+    class Money:
+        def __init__(self, cents: int) -> None:
+            self.cents = cents
+
+    def encode_money(value: object) -> object:  # as json.dumps's default=: TypeError for what it does not know
+        if isinstance(value, Money):
+            return {"cents": value.cents}
+        raise TypeError(f"{type(value).__name__} is not Money")
+
+    producer = qmq.Producer(brokers=[broker.address], engine=engine, encoder=encode_money)
+    when = datetime(2026, 5, 1, 12, 30, tzinfo=UTC)
+    token = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    body = {"at": when, "day": when.date(), "price": Decimal("19.90"), "id": token, "fee": Money(250)}
+    message_id = producer.send_now("order.priced", body)
+    with pytest.raises(TypeError, match="encoder="):
+        producer.send_now("order.priced", {"bad": object()})
+    assert producer.flush(10)
+    producer.close()
+    [delivery] = consume(broker.address, "order.priced", 1)
+    assert delivery.id == message_id and delivery.content_type == "application/json"
+    assert delivery.body == {
+        "at": "2026-05-01T12:30:00+00:00",
+        "day": "2026-05-01",
+        "price": "19.90",
+        "id": str(token),
+        "fee": {"cents": 250},
+    }

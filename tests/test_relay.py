@@ -49,7 +49,7 @@ def broker(processes, tmp_path):
 def leave_for_relay(engine, subject: str, count: int) -> list[str]:
     """Commit `count` messages that no in-process sender will ship (as after a crash)."""
     producer = qmq.Producer(brokers=["127.0.0.1:1"], engine=engine, after_commit=False)
-    ids = [producer.send(subject, {"n": n}) for n in range(count)]
+    ids = [producer.send_now(subject, {"n": n}) for n in range(count)]
     producer.close()
     return ids
 
@@ -98,7 +98,7 @@ def test_an_app_killed_right_after_commit_has_its_message_shipped_by_the_relay(
 def test_a_broker_down_at_commit_time_gets_the_message_when_it_is_back(processes, engine, db_url, tmp_path) -> None:
     port = free_port()
     producer = qmq.Producer(brokers=[f"127.0.0.1:{port}"], engine=engine)
-    message_id = producer.send("payment.captured", "42 EUR")  # its own transaction: commits fine
+    message_id = producer.send_now("payment.captured", "42 EUR")  # its own transaction: commits fine
     assert producer.flush(20)
     producer.close()
     assert outbox_rows(engine)[message_id].state == "pending"
@@ -241,7 +241,7 @@ def test_notify_wakes_the_relay_long_before_its_poll_interval(processes, engine,
 def test_a_delayed_row_goes_through_the_delay_server(processes, engine, db_url, broker, tmp_path) -> None:
     delay = start_delay_server(processes, tmp_path / "delay", "--broker", broker.address)
     producer = qmq.Producer(brokers=["127.0.0.1:1"], engine=engine, after_commit=False)
-    message_id = producer.send("review.requested", "a week after checkout (here: 2 s)", delay=2)
+    message_id = producer.send_now("review.requested", "a week after checkout (here: 2 s)", delay=2)
     due = outbox_rows(engine)[message_id].deliver_at
     producer.close()
     processes.start(

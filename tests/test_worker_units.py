@@ -23,17 +23,17 @@ from tests.test_meta import wait_until
 from worker.app import App
 from worker.capacity import Capacity
 from worker.errors import TimeLimitExceeded
-from worker.idempotency import purge_consumed, record_consumed
 from worker.liveness import Liveness, broadcast_group_key
 from worker.loading import AppNotFound, load_app
 from worker.message import Message
-from worker.middleware import Call
 from worker.outcome import Kind
 from worker.pipeline import inner_chain
-from worker.retry import RetryPolicy
+from worker.retry_policy import RetryPolicy
 from worker.runner import expand_hostname, select_consumers
 from worker.schema import consumed
-from worker.time_limit import time_limit_step
+from worker.steps.idempotency import purge_consumed, record_consumed
+from worker.steps.step import Call
+from worker.steps.time_limit import time_limit_step
 
 # ---- retry policy ----------------------------------------------------------------------------------
 

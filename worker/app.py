@@ -6,6 +6,9 @@
     def on_order(message: qmq.Message, session) -> None:
         session.execute(...)            # committed with the idempotency record, then acked
 
+With Django, `qmq.App("billing", using="default")`: the handler uses the ORM, and runs with its
+idempotency record in one `transaction.atomic(using="default")` block.
+
 Run it with `qmq worker -A module:app`. The app holds settings only: it connects to nothing until a
 worker asks (the engine and the Redis client are made on first use, in the process that uses them,
 so a pool process never shares a connection made by its parent).
@@ -17,58 +20,28 @@ import inspect
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 from sqlalchemy.engine import Engine
 
 from qmq.client import Client
-from qmq.client.core import SubscribeOptions
+from qmq.client.deliveries import SubscribeOptions
+from worker.consumer import Consumer, Idempotent
+from worker.database import ConsumerDatabase, SQLAlchemyDatabase
 from worker.hooks import Hooks
-from worker.idempotency import DEFAULT_WINDOW
-from worker.middleware import Step
-from worker.retry import DEFAULT_BACKOFF_MAX_S, DEFAULT_BACKOFF_S, DEFAULT_MAX_RETRIES, RetryPolicy
+from worker.retry_policy import DEFAULT_BACKOFF_MAX_S, DEFAULT_BACKOFF_S, DEFAULT_MAX_RETRIES, RetryPolicy
+from worker.steps.idempotency import DEFAULT_WINDOW
+from worker.steps.step import Step
 
-Idempotent = bool | Literal["redis"]
 DEFAULT_REDIS_PREFIX = "qmq:"
-
-
-@dataclass(eq=False)
-class Consumer:
-    """One handler and how it consumes: made by `App.consumer`."""
-
-    app: App
-    fn: Callable[..., Any]
-    subject: str
-    group: str
-    tags: tuple[str, ...] = ()
-    match_all: bool = False
-    broadcast: bool = False
-    start: str = "latest"
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    time_limit: float | None = None
-    idempotent: Idempotent = False
-    wants_session: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.subject}/{self.group}"
-
-    @property
-    def uses_db(self) -> bool:
-        return self.idempotent is True or self.wants_session
-
-    def call_handler(self, message: Any, session: Any) -> Any:
-        if self.wants_session:
-            return self.fn(message, session=session)
-        return self.fn(message)
 
 
 class App:
     """Settings, consumers, steps and hooks. `meta` (or `$QMQ_META`) or `brokers` say where the brokers
     are, as for `qmq.client.Client`; `db` (a URL) or `engine` is the database of the handlers'
-    sessions and of SQL idempotency; `redis` (a URL or a redis client) that of Redis idempotency."""
+    sessions and of SQL idempotency, or `using` a Django database alias; `redis` (a URL or a redis
+    client) that of Redis idempotency."""
 
     def __init__(
         self,
@@ -79,17 +52,19 @@ class App:
         token: str | None = None,
         db: str | None = None,
         engine: Engine | None = None,
+        using: str | None = None,
         redis: Any = None,
         redis_prefix: str = DEFAULT_REDIS_PREFIX,
         idempotency_window: timedelta = DEFAULT_WINDOW,
     ) -> None:
-        if db and engine is not None:
-            raise ValueError("give db (a URL) or engine, not both")
+        if sum(x is not None for x in (db or None, engine, using)) > 1:
+            raise ValueError("give one of db (a URL), engine or (Django) using")
         self.name = name
         self.meta = meta
         self.brokers = tuple(brokers or ())
         self.token = token
         self.db_url = db
+        self.using = using
         self.redis_prefix = redis_prefix
         self.idempotency_window = idempotency_window
         self.consumers: list[Consumer] = []
@@ -99,6 +74,7 @@ class App:
         self._engine = engine
         self._redis = redis
         self._lock = threading.Lock()
+        self._database: ConsumerDatabase | None = None
 
     # ---- declaring -------------------------------------------------------------------------------
 
@@ -110,7 +86,7 @@ class App:
         tags: Sequence[str] = (),
         match_all: bool = False,
         broadcast: bool = False,
-        start: str = "latest",
+        start: str | None = None,
         max_retries: int | None = DEFAULT_MAX_RETRIES,
         retry_backoff: float | bool = DEFAULT_BACKOFF_S,
         retry_backoff_max: float = DEFAULT_BACKOFF_MAX_S,
@@ -125,7 +101,8 @@ class App:
         Session in the message's transaction) when it has a `session` parameter. Returns the function
         unchanged. See docs/worker.md for every option."""
         group = group or self.name
-        SubscribeOptions(subject, group, "check", tuple(tags), match_all, broadcast, start)  # ValueError if bad
+        options = (subject, group, "check", tuple(tags), match_all, broadcast, start or "earliest")
+        SubscribeOptions(*options)  # ValueError if bad
         if retry_backoff is True:
             retry_backoff = DEFAULT_BACKOFF_S
         policy = RetryPolicy(
@@ -140,8 +117,10 @@ class App:
             raise ValueError("time_limit must be a number of seconds > 0")
         if idempotent not in (False, True, "redis"):
             raise ValueError("idempotent must be False, True (SQL) or 'redis'")
-        if idempotent is True and self.db_url is None and self._engine is None:
-            raise ValueError(f"{subject}/{group}: idempotent=True needs the app's database (App(..., db=URL))")
+        if idempotent is True and not self.has_database:
+            raise ValueError(
+                f"{subject}/{group}: idempotent=True needs the app's database (App(..., db=URL) or, Django, using=)"
+            )
         if idempotent == "redis" and self._redis is None:
             raise ValueError(f"{subject}/{group}: idempotent='redis' needs App(..., redis=URL or client)")
         if broadcast and idempotent:
@@ -151,7 +130,9 @@ class App:
 
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
             wants_session = "session" in inspect.signature(fn).parameters
-            if wants_session and self.db_url is None and self._engine is None:
+            if wants_session and self.using is not None:
+                raise ValueError(f"{fn.__qualname__} takes a session, but a Django app's handlers use the ORM")
+            if wants_session and not self.has_database:
                 raise ValueError(f"{fn.__qualname__} takes a session but the app has no database (db=URL)")
             self.consumers.append(
                 Consumer(
@@ -175,7 +156,7 @@ class App:
 
     def add_step(self, step: Step) -> None:
         """Add a step around every handler of this app (inside retry, outside the transaction; see
-        worker/middleware.py)."""
+        worker/steps/step.py)."""
         self.steps.append(step)
 
     def on(self, event: str) -> Callable[[Callable], Callable]:
@@ -191,7 +172,26 @@ class App:
     # ---- connections, made on first use -------------------------------------------------------------
 
     @property
+    def has_database(self) -> bool:
+        return self.db_url is not None or self._engine is not None or self.using is not None
+
+    @property
+    def database(self) -> ConsumerDatabase:
+        """Where handlers' transactions run (worker/database.py)."""
+        with self._lock:
+            if self._database is None:
+                if self.using is not None:
+                    from qmq.contrib.django.consumer import DjangoDatabase
+
+                    self._database = DjangoDatabase(self.using)
+                else:
+                    self._database = SQLAlchemyDatabase(lambda: self.engine)
+            return self._database
+
+    @property
     def engine(self) -> Engine:
+        if self.using is not None:
+            return self.database.engine()
         with self._lock:
             if self._engine is None:
                 if self.db_url is None:

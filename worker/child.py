@@ -12,8 +12,8 @@ import signal
 from multiprocessing.connection import Connection
 
 from worker.loading import load_app
-from worker.middleware import Call, Next
 from worker.pipeline import inner_chain
+from worker.steps.step import Call, Next
 
 LOG_FORMAT = "%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"
 

@@ -2,7 +2,7 @@
 
 `Retry(delay=...)` asks for the message again at a chosen time (through the broker's retry schedule,
 counted against `max_retries`); `Reject(reason)` sends it to the group's dead letters at once. Any
-other exception is a failure, retried with backoff (see worker/retry.py).
+other exception is a failure, retried with backoff (see worker/retry_policy.py).
 """
 
 from __future__ import annotations

@@ -35,12 +35,14 @@ class Feeder:
         consumer_id: str,
         capacity: Capacity,
         dispatch: Callable[[Feeder, list[Delivery]], None],
+        default_start: str = "earliest",
     ) -> None:
         self.consumer = consumer
         self.client = client
         self.consumer_id = consumer_id
         self.capacity = capacity
         self.dispatch = dispatch
+        self.start_at = consumer.start or default_start  # where the group begins on a broker new to it
         self.subscription: Subscription | None = None
         self.subscribed = threading.Event()
         self.problem: str | None = None  # why it is not consuming, while it is not
@@ -103,7 +105,7 @@ class Feeder:
                 tags=c.tags,
                 match_all=c.match_all,
                 broadcast=c.broadcast,
-                start=c.start,
+                start=self.start_at,
             )
         except ClientError as exc:
             self._trouble(f"cannot subscribe to {c.subject} as {c.group}: {exc}")

@@ -15,7 +15,8 @@
 
 "Beside the handler" is the thread that runs it, or its pool process with `-P processes`.
 
-An exception in a hook is logged with its traceback and otherwise ignored: a hook never changes
+The message hooks are fired by the hooks step (worker/steps/hooks.py). An exception in a hook is
+logged with its traceback and otherwise ignored: a hook never changes
 what happens to a message and never stops the worker.
 """
 
@@ -25,9 +26,6 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
-
-from worker.middleware import Call, Next
-from worker.outcome import Kind, Outcome
 
 log = logging.getLogger("qmq.worker")
 
@@ -63,16 +61,3 @@ class Hooks:
                 callback(*args)
             except Exception:
                 log.exception("hook %s (%s) failed; carrying on", event, getattr(callback, "__qualname__", callback))
-
-
-def hooks_step(call: Call, call_next: Next) -> Outcome:
-    """Fires the message hooks around the retry step, so they see the final outcome."""
-    hooks = call.consumer.app.hooks
-    hooks.fire("before_message", call.message)
-    outcome = call_next(call)
-    if outcome.kind is Kind.RETRY:
-        hooks.fire("on_retry", call.message, outcome)
-    elif outcome.kind is Kind.DEAD:
-        hooks.fire("on_failure", call.message, outcome)
-    hooks.fire("after_message", call.message, outcome)
-    return outcome

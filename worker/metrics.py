@@ -1,5 +1,5 @@
 """The worker's Prometheus metrics, in its own registry (served with /healthz on `--metrics-port`,
-worker/http.py), and the metrics step that times handlers and counts how messages end.
+worker/http.py); the metrics step (worker/steps/metrics.py) times handlers and counts how messages end.
 
 | metric | type | labels |
 |---|---|---|
@@ -16,14 +16,10 @@ worker/http.py), and the metrics step that times handlers and counts how message
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qmq.metrics import new_registry
-from worker.middleware import Call, Next, Step
-from worker.outcome import Kind, Outcome
+from worker.outcome import Kind
 
 DURATION_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 LABELS = ("subject", "group")
@@ -82,18 +78,3 @@ class WorkerMetrics:
         if found is None:
             found = self._consumers[key] = ConsumerMetrics(self, subject, group)
         return found
-
-    def step(self) -> Step:
-        return metrics_step(self)
-
-
-def metrics_step(metrics: WorkerMetrics) -> Callable[[Call, Next], Outcome]:
-    def step(call: Call, call_next: Next) -> Outcome:
-        bound = metrics.consumer(call.consumer.subject, call.consumer.group)
-        started = time.perf_counter()
-        outcome = call_next(call)
-        bound.duration.observe(time.perf_counter() - started)
-        bound.ended[outcome.kind].inc()
-        return outcome
-
-    return step

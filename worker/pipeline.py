@@ -1,4 +1,4 @@
-"""The chain of steps a message goes through, assembled once per consumer.
+"""The chain of steps (worker/steps/) a message goes through, assembled once per consumer.
 
 Outer steps run where the worker pulls and acknowledges (logging, metrics); inner steps run where
 the handler runs: in the same thread with `-P threads` and `-P solo`, in a pool process with
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.app import Consumer
-from worker.hooks import hooks_step
-from worker.idempotency import redis_idempotency_step, sql_idempotency_step
-from worker.log_step import logging_step
-from worker.middleware import Call, Next, Step, chain
+from worker.consumer import Consumer
 from worker.outcome import ACKED, Outcome
-from worker.retry import retry_step
-from worker.time_limit import time_limit_step
-from worker.transaction import transaction_step
+from worker.steps.hooks import hooks_step
+from worker.steps.idempotency import redis_idempotency_step, sql_idempotency_step
+from worker.steps.log import logging_step
+from worker.steps.retry import retry_step
+from worker.steps.step import Call, Next, Step, chain
+from worker.steps.time_limit import time_limit_step
+from worker.steps.transaction import transaction_step
 
 
 def run_handler(call: Call) -> Outcome:

@@ -24,11 +24,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from qmq.client import Delivery
-from worker.app import Consumer
+from worker.consumer import Consumer
 from worker.errors import WorkerLost
-from worker.middleware import Call, Next
 from worker.outcome import Outcome
 from worker.pipeline import inner_chain
+from worker.steps.step import Call, Next
 
 log = logging.getLogger("qmq.worker")
 

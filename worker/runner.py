@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import sys
 import threading
@@ -24,21 +23,25 @@ from http.server import ThreadingHTTPServer
 from typing import Any
 
 from qmq.client import Client, Delivery
-from qmq.client.core import PULL_REPLY_GRACE_S
-from worker.app import App, Consumer
+from qmq.client.deliveries import PULL_REPLY_GRACE_S
+from qmq.protocol.limits import consumer_id_from
+from worker.app import App
 from worker.capacity import Capacity
-from worker.feeder import PULL_WAIT_S, Feeder
+from worker.consumer import Consumer
+from worker.database import MissingTables, check_tables
+from worker.feeder import PULL_WAIT_S, SUBSCRIBE_RETRY_MAX_S, SUBSCRIBE_RETRY_S, Feeder
 from worker.hooks import log as hooks_log
 from worker.http import serve
-from worker.idempotency import purge_consumed
 from worker.liveness import DEFAULT_TIMEOUT_S, BacklogProbe, Liveness, broadcast_group_key
 from worker.message import Message
 from worker.metrics import ConsumerMetrics, WorkerMetrics
-from worker.middleware import Call, Next
 from worker.outcome import Kind, Outcome
 from worker.pipeline import outer_chain
 from worker.pool import Job, Pool, ProcessPool, SoloPool, ThreadPool
 from worker.shutdown import Shutdown
+from worker.steps.idempotency import purge_consumed
+from worker.steps.metrics import metrics_step
+from worker.steps.step import Call, Next
 
 log = logging.getLogger("qmq.worker")
 
@@ -52,7 +55,6 @@ PURGE_FIRST_AFTER_S = 60.0  # the first purge of old idempotency records after s
 PURGE_EVERY_S = 3600.0  # ...then every hour
 SWITCH_INTERVAL_S = 0.001  # GIL hand-over between threads (CPython's default 5 ms delays a woken pull reply)
 COLD_FLUSH_S = 2.0  # a cold shutdown sends what is acknowledged for at most this long, then exits
-CONSUMER_ID_BAD = re.compile(r"[^A-Za-z0-9._\-:@]")
 
 
 @dataclass
@@ -70,6 +72,9 @@ class WorkerOptions:
     liveness_timeout_s: float = DEFAULT_TIMEOUT_S
     app_spec: str | None = None  # how a pool process imports the app (-P processes)
     log_level: str = "WARNING"
+    # Where a consumer group new to a broker starts, for consumers that do not say (@app.consumer(start=)):
+    # "earliest", so that nothing committed before the first worker ran is skipped; "latest" to opt out.
+    start: str = "earliest"
 
     def resolved_concurrency(self) -> int:
         if self.pool == "solo":
@@ -81,11 +86,11 @@ class WorkerOptions:
 
 def expand_hostname(template: str) -> str:
     """Celery's node name: %h the host name, %n its first part, %d the rest, %p the process id; made
-    fit for a consumer id (letters, digits and . _ - : @)."""
+    fit for a consumer id (`qmq.protocol.limits.consumer_id_from`)."""
     host = socket.gethostname()
     name, _, domain = host.partition(".")
     expanded = template.replace("%h", host).replace("%n", name).replace("%d", domain).replace("%p", str(os.getpid()))
-    return CONSUMER_ID_BAD.sub("-", expanded)[:200] or "qmq"
+    return consumer_id_from(expanded)
 
 
 class Worker:
@@ -127,9 +132,13 @@ class Worker:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         if o.pool == "threads":
             self.app.pool_size = max(self.app.pool_size, self.concurrency)
-        self.client = self.app.client(o.meta, o.brokers, o.token, client_id=self.hostname)
-        self.feeders = [Feeder(c, self.client, self.hostname, self.capacity, self._dispatch) for c in self.consumers]
         self.shutdown.install()
+        if not self._wait_for_tables():
+            return 0
+        self.client = self.app.client(o.meta, o.brokers, o.token, client_id=self.hostname)
+        self.feeders = [
+            Feeder(c, self.client, self.hostname, self.capacity, self._dispatch, o.start) for c in self.consumers
+        ]
         threading.Thread(target=self._cold_watch, name="qmq-cold-shutdown", daemon=True).start()
         if o.metrics_port is not None:
             self.http = serve(o.metrics_host, o.metrics_port, self.metrics.registry, self.health)
@@ -145,6 +154,24 @@ class Worker:
         if self._exit_code == 0:
             log.warning("warm shutdown complete")
         return self._exit_code
+
+    def _wait_for_tables(self) -> bool:
+        """Check that the database has the tables the consumers need before any of them subscribes:
+        MissingTables (a clear error, the worker does not start) if not; an unreachable database is
+        waited for. False if a shutdown came first."""
+        delay = SUBSCRIBE_RETRY_S
+        needs_consumed = any(c.idempotent is True for c in self.consumers)
+        while True:
+            try:
+                check_tables(self.app.database, needs_consumed)
+                return True
+            except MissingTables:
+                raise
+            except Exception as exc:
+                log.warning("cannot check the app's database (%s); trying again in %.0f s", exc, delay)
+            if self.shutdown.warm.wait(delay):
+                return False
+            delay = min(delay * 2, SUBSCRIBE_RETRY_MAX_S)
 
     def health(self) -> tuple[bool, str]:
         return self.liveness.healthy, self.liveness.reason
@@ -172,7 +199,7 @@ class Worker:
         self.pool.submit(feeder, deliveries)
 
     def _wrap(self, consumer: Consumer, inner: Next) -> Next:
-        return outer_chain([self.metrics.step()], inner)
+        return outer_chain([metrics_step(self.metrics)], inner)
 
     def _handle(self, job: Job, chain: Next) -> None:
         """In a pool thread: run the chain, then settle the delivery with the broker."""

@@ -1,7 +1,7 @@
 """The idempotency table, `qmq_consumed`: one row per (consumer group, message id) whose handler
 committed. It must match migrations/versions/0003_consumed.py (tests/test_migrations.py compares them).
 
-A row is inserted in the handler's own transaction (worker/idempotency.py), so it exists exactly when
+A row is inserted in the handler's own transaction (worker/steps/idempotency.py), so it exists exactly when
 the handler's writes do; the primary key is what makes a second delivery find it. `consumed_at` is
 the database clock; rows older than the idempotency window are purged. The nightly reconciliation
 joins `message_id` with the outbox and the broker ledger.

@@ -13,6 +13,9 @@ revision = "0001"
 down_revision = None
 branch_labels = None
 depends_on = None
+# The tables this revision creates: where all of them exist already (Django's migrations made them),
+# `qmq db upgrade` stamps the revision instead of running it (qmq/db/migrate.py).
+creates = ("qmq_meta_group", "qmq_meta_server", "qmq_meta_route")
 
 
 def upgrade() -> None:

@@ -13,6 +13,9 @@ revision = "0002"
 down_revision = "0001"
 branch_labels = None
 depends_on = None
+# The tables this revision creates: where all of them exist already (Django's migrations made them),
+# `qmq db upgrade` stamps the revision instead of running it (qmq/db/migrate.py).
+creates = ("qmq_outbox",)
 
 PENDING_WHERE = sa.text("state = 'pending'")
 SENT_WHERE = sa.text("state = 'sent'")

@@ -13,6 +13,9 @@ revision = "0003"
 down_revision = "0002"
 branch_labels = None
 depends_on = None
+# The tables this revision creates: where all of them exist already (Django's migrations made them),
+# `qmq db upgrade` stamps the revision instead of running it (qmq/db/migrate.py).
+creates = ("qmq_consumed",)
 
 
 def upgrade() -> None:

@@ -9,7 +9,7 @@ import click
 import sqlalchemy as sa
 
 from qmq.db.engine import create_engine, safe_url
-from qmq.db.migrate import current_revision, head_revision, upgrade
+from qmq.db.migrate import TablesInTheWay, current_revision, head_revision, upgrade
 from qmq.db.url import DB_URL_ENV, resolve_url
 
 _db_option = click.option(
@@ -26,7 +26,8 @@ def db() -> None:
 @_db_option
 @click.option("--revision", default="head", show_default=True, help="the revision to upgrade to")
 def upgrade_cmd(db_url: str, revision: str) -> None:
-    """Create or upgrade qmq's tables; a database already up to date is left as it is."""
+    """Create or upgrade qmq's tables; a database already up to date is left as it is, and tables
+    that exist already (made by the Django app's migrations) are stamped instead of created."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     url = resolve_url(db_url)
     engine = create_engine(url)
@@ -38,6 +39,10 @@ def upgrade_cmd(db_url: str, revision: str) -> None:
         at = upgrade(url, revision)
     except sa.exc.OperationalError as exc:
         raise click.ClickException(f"cannot reach {shown}: {str(exc.orig or exc).strip()}") from None
+    except TablesInTheWay as exc:
+        raise click.ClickException(f"{shown}: {exc}") from None
+    except sa.exc.DatabaseError as exc:
+        raise click.ClickException(f"{shown}: the upgrade failed: {str(exc.orig or exc).strip()}") from None
     click.echo(f"{shown}: qmq tables at revision {at}")
 
 

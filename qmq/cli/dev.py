@@ -1,5 +1,6 @@
 """`qmq dev`: the embedded cluster (meta server, one broker group, the delay server, a relay) in one
-command, until Ctrl-C (qmq/dev/cluster.py)."""
+command, until Ctrl-C (qmq/dev/cluster.py). A server that exits is reported and started again; the
+others keep running."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import threading
 import click
 
 from qmq.db.url import DB_URL_ENV
-from qmq.dev.cluster import BROKER_PORT, DELAY_PORT, META_PORT, DevCluster
+from qmq.dev.cluster import BROKER_PORT, DELAY_PORT, META_PORT, RESTART_AFTER_S, DevCluster
 
 WATCH_INTERVAL_S = 1.0
+RESTART_HELP = (
+    f"seconds before a server that exited is started again (doubling if it keeps dying) [default: {RESTART_AFTER_S:g}]"
+)
 
 
 @click.command("dev")
@@ -28,12 +32,29 @@ WATCH_INTERVAL_S = 1.0
     "db_url",
     default=None,
     metavar="URL",
-    help=f"the outbox (and meta) database [env {DB_URL_ENV}; default SQLite files in DATA_DIR]",
+    help=f"your app's database: its outbox is what the relay ships (and the meta server's tables go there) "
+    f"[env {DB_URL_ENV}; default SQLite files in DATA_DIR]",
 )
 @click.option("--meta-port", type=click.IntRange(0, 65535), default=META_PORT, show_default=True, help="0: a free port")
 @click.option("--broker-port", type=click.IntRange(0, 65535), default=BROKER_PORT, show_default=True)
 @click.option("--delay-port", type=click.IntRange(0, 65535), default=DELAY_PORT, show_default=True)
-def dev(data_dir: str, db_url: str | None, meta_port: int, broker_port: int, delay_port: int) -> None:
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="serve Prometheus metrics: the meta server on this port, the broker, delay server and relay on the next "
+    "ones (0: free ports) [default: none]",
+)
+@click.option("--restart-after", type=click.FloatRange(min=0), default=RESTART_AFTER_S, help=RESTART_HELP)
+def dev(
+    data_dir: str,
+    db_url: str | None,
+    meta_port: int,
+    broker_port: int,
+    delay_port: int,
+    metrics_port: int | None,
+    restart_after: float,
+) -> None:
     """Run a meta server, a broker group, the delay server and a relay until Ctrl-C."""
     db_url = db_url or os.environ.get(DB_URL_ENV) or None
     cluster = DevCluster(
@@ -43,6 +64,8 @@ def dev(data_dir: str, db_url: str | None, meta_port: int, broker_port: int, del
         meta_port=meta_port,
         broker_port=broker_port,
         delay_port=delay_port,
+        metrics_port=metrics_port,
+        restart_after_s=restart_after,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -54,9 +77,8 @@ def dev(data_dir: str, db_url: str | None, meta_port: int, broker_port: int, del
     click.echo(cluster.describe(), err=False)
     try:
         while not stop.wait(WATCH_INTERVAL_S):
-            if dead := cluster.dead():
-                names = ", ".join(f"{s.name} (exit {s.proc.returncode}, log {s.log_path})" for s in dead)
-                raise click.ClickException(f"stopped, because a server exited: {names}")
+            for event in cluster.supervise():
+                click.echo(f"qmq dev: {event}", err=True)
     finally:
         click.echo("stopping the cluster...", err=True)
         cluster.stop()

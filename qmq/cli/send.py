@@ -17,6 +17,7 @@ from qmq.cli.client_options import client_options, make_client
 from qmq.client import ClientError, OutgoingMessage, SendResult
 from qmq.client.routes import no_route_error
 from qmq.client.sending import DEFAULT_BATCH_SIZE
+from qmq.protocol.envelope import JSON
 from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import validate_subject
 
@@ -31,7 +32,7 @@ MAX_FAILURES_SHOWN = 10  # failed messages named one by one; the rest are counte
 @click.option("--tag", "tags", multiple=True, help="a tag consumers can filter on (repeat for several)")
 @click.option("--key", default=None, help="the message key (indexed by the broker for look-ups)")
 @click.option("--header", "headers", multiple=True, metavar="K=V", help="a header (repeat for several)")
-@click.option("--json", "as_json", is_flag=True, help="BODY is JSON: send the value, as application/json")
+@click.option("--json", "as_json", is_flag=True, help="BODY is JSON: send it as application/json")
 @click.option(
     "--delay",
     type=click.FloatRange(min=0),
@@ -98,7 +99,15 @@ def send(
         while sent < count:
             n = min(count - sent, batch * CHUNK_BATCHES)
             messages = [
-                OutgoingMessage(subject, make_body(), key=key, tags=tags, headers=header_map, deliver_at=deliver_at)
+                OutgoingMessage(
+                    subject,
+                    make_body(),
+                    key=key,
+                    tags=tags,
+                    headers=header_map,
+                    deliver_at=deliver_at,
+                    content_type=JSON if as_json else None,
+                )
                 for _ in range(n)
             ]
             results = client.send(messages)
@@ -148,12 +157,17 @@ def _body_maker(body: str | None, size: int | None, as_json: bool) -> Callable[[
                 raise click.UsageError("--json: standard input is not UTF-8 text") from None
             return lambda: raw
     value: Any = body
-    if as_json:
+    if as_json:  # checked, then sent as written: application/json whatever the value (a string too)
         try:
-            value = json.loads(body)
+            json.loads(body, parse_constant=_no_constant)
         except ValueError as exc:
             raise click.UsageError(f"--json: BODY is not JSON: {exc}") from None
+        value = body.encode()
     return lambda: value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (JSON has no NaN or Infinity)")
 
 
 def _parse_headers(headers: tuple[str, ...]) -> dict[str, str] | None:

@@ -16,6 +16,10 @@ from qmq.client.routes import META_ENV
 from qmq.net.common import TOKEN_ENV
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+FROM_HELP = (
+    "where a consumer group new to a broker starts, for consumers that do not say (@app.consumer(start=)): "
+    "earliest (every message the broker keeps) or latest (only messages stored from now on) [default: earliest]"
+)
 
 
 def _subjects(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -100,6 +104,7 @@ def _subjects(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
     metavar="SECONDS",
     help="unhealthy after this long with work waiting and no message finished",
 )
+@click.option("--from", "start", type=click.Choice(["earliest", "latest"]), default="earliest", help=FROM_HELP)
 @click.option(
     "-l",
     "--loglevel",
@@ -122,11 +127,13 @@ def worker(
     metrics_port: int | None,
     metrics_host: str,
     liveness_timeout: float,
+    start: str,
     log_level: str,
 ) -> None:
     """Run the consumers of an app: pull, handle, acknowledge after the handler (and its transaction)
     finished. SIGTERM or Ctrl-C: warm shutdown (finish what was pulled, ack, exit 0); a second Ctrl-C
     or SIGQUIT: cold shutdown (stop now; what was not acked is delivered again)."""
+    from worker.database import MissingTables
     from worker.loading import AppNotFound, load_app
     from worker.runner import DEFAULT_HOSTNAME, Worker, WorkerOptions
 
@@ -156,6 +163,7 @@ def worker(
         liveness_timeout_s=liveness_timeout,
         app_spec=app_spec,
         log_level=log_level,
+        start=start,
     )
     try:
         runner = Worker(app, options, on_ready=_announce)
@@ -163,6 +171,8 @@ def worker(
         raise click.UsageError(str(exc)) from None
     try:
         code = runner.run()
+    except MissingTables as exc:
+        raise click.ClickException(f"cannot start the worker: {exc}") from None
     except OSError as exc:  # e.g. the metrics port is taken
         raise click.ClickException(f"cannot start the worker: {exc}") from None
     sys.exit(code)

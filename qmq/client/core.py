@@ -17,42 +17,19 @@ from typing import Any
 
 from qmq.client import sending
 from qmq.client.deliveries import (
-    DEFAULT_PULL_MAX,
-    DEFAULT_PULL_WAIT_S,
-    PULL_REPLY_GRACE_S,
-    Delivery,
     SubscribeOptions,
     default_consumer_id,
 )
-from qmq.client.errors import InvalidMessage
-from qmq.client.messages import ForwardedMessage, OutgoingMessage, SendError, SendResult
+from qmq.client.messages import OutgoingMessage, SendError, SendResult
 from qmq.client.routes import Route, RouteBook, resolve_delay_servers, resolve_servers
 from qmq.client.sending import (
     DEFAULT_BATCH_SIZE,
     SEND_TIMEOUT_S,
     GroupHealth,
-    SendJob,
-    merge_cancel_outcomes,
 )
 from qmq.client.steps import Steps, Subscribe
 
-__all__ = [
-    # Names older code imports from here, from before the core was split by concern: new code
-    # imports them from their own modules.
-    "DEFAULT_BATCH_SIZE",
-    "DEFAULT_PULL_MAX",
-    "DEFAULT_PULL_WAIT_S",
-    "PULL_REPLY_GRACE_S",
-    "ClientCore",
-    "Delivery",
-    "ForwardedMessage",
-    "InvalidMessage",
-    "OutgoingMessage",
-    "SendJob",
-    "SendResult",
-    "SubscribeOptions",
-    "merge_cancel_outcomes",
-]
+__all__ = ["ClientCore"]
 
 
 class ClientCore:

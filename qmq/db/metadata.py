@@ -1,6 +1,6 @@
-"""The one SQLAlchemy `MetaData` holding every qmq table (meta server, outbox, ...), so that Alembic's
-environment and the schema test see all of them; each table is defined in its component's
-`schema.py`, which registers it here.
+"""The one SQLAlchemy `MetaData` that every qmq table is defined on. Each component defines its own
+tables in its `schema.py` (qmq/meta, qmq/outbox, worker) on this object; `migrations/tables.py`
+gathers all of them for Alembic and the schema tests. This module imports none of them.
 """
 
 from __future__ import annotations
@@ -8,12 +8,3 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 metadata = sa.MetaData()
-
-
-def all_tables() -> sa.MetaData:
-    """`metadata` with every component's tables registered."""
-    import qmq.meta.schema
-    import qmq.outbox.schema  # noqa: F401
-    import worker.schema  # noqa: F401
-
-    return metadata

@@ -8,6 +8,7 @@ other's `alembic_version`. Host apps pass `exclude_qmq_tables` as `include_objec
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,11 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
+from alembic.script import Script, ScriptDirectory
 
 from qmq.db.engine import create_engine
+
+log = logging.getLogger("qmq.db")
 
 QMQ_VERSION_TABLE = "qmq_alembic_version"
 QMQ_TABLE_PREFIX = "qmq_"
@@ -41,18 +44,51 @@ def alembic_config(connection: sa.Connection | None = None) -> Config:
     return cfg
 
 
+class TablesInTheWay(Exception):
+    """Some, not all, of a revision's tables exist already: neither running nor stamping it is safe."""
+
+
 def upgrade(url: str, revision: str = "head") -> str | None:
     """Bring the database at `url` to `revision` (default: the newest). A database already there is
-    left as it is. Returns the revision the database is at afterwards."""
+    left as it is. A revision whose tables all exist already (made by the Django app's migrations,
+    qmq/contrib/django/migrations/) is stamped instead of run. Returns the revision the database is
+    at afterwards. Raises TablesInTheWay when only some of a revision's tables exist."""
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
             if conn.dialect.name == "postgresql":
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_ADVISORY_LOCK_KEY})
-            command.upgrade(alembic_config(conn), revision)
+            config = alembic_config(conn)
+            existing = set(sa.inspect(conn).get_table_names())
+            for step in _pending(conn, config, revision):
+                made = tuple(getattr(step.module, "creates", ()))
+                present = [name for name in made if name in existing]
+                if made and len(present) == len(made):
+                    log.info(
+                        "%s: already there (made by Django's migrations?); revision %s stamped, not run",
+                        ", ".join(made),
+                        step.revision,
+                    )
+                    command.stamp(config, step.revision)
+                elif present:
+                    raise TablesInTheWay(
+                        f"revision {step.revision} creates {', '.join(made)}, but {', '.join(present)} exist(s) "
+                        "already and the rest do not: drop the partial tables, or create the rest by hand and "
+                        f"stamp with `alembic stamp {step.revision}`"
+                    )
+                else:
+                    command.upgrade(config, step.revision)
         return current_revision(engine)
     finally:
         engine.dispose()
+
+
+def _pending(conn: sa.Connection, config: Config, target: str) -> list[Script]:
+    """The revisions from the database's current one (exclusive) to `target`, oldest first."""
+    current = MigrationContext.configure(conn, opts={"version_table": QMQ_VERSION_TABLE}).get_current_revision()
+    script = ScriptDirectory.from_config(config)
+    steps = list(script.iterate_revisions(target, current or "base"))
+    return [s for s in reversed(steps) if s.revision != current]
 
 
 def current_revision(engine: sa.Engine) -> str | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import sqlalchemy as sa
+
 DB_URL_ENV = "QMQ_DB_URL"
 DEFAULT_META_DB_URL = "sqlite:///qmq-meta.sqlite3"  # a file in the current directory
 
@@ -33,3 +35,14 @@ def resolve_url(url: str | None, default: str | None = None) -> str:
     if not chosen:
         raise ValueError(f"no database URL: pass --db or set ${DB_URL_ENV}")
     return normalize_url(chosen)
+
+
+def same_database(a: sa.URL, b: sa.URL) -> bool:
+    """Whether two URLs name the same database (whatever the driver or password)."""
+    return (a.get_backend_name(), a.host, a.port, a.database, a.username) == (
+        b.get_backend_name(),
+        b.host,
+        b.port,
+        b.database,
+        b.username,
+    )

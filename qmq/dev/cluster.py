@@ -1,10 +1,12 @@
 """The embedded cluster behind `qmq dev` and `qmq demo`: a meta server, one broker group, the delay
 server and a relay, as child processes of this one, on one data directory.
 
-Defaults suit a laptop: SQLite for the meta server and the outbox unless a PostgreSQL URL is given,
+Defaults suit a laptop: SQLite for the meta server and the outbox unless a URL is given (give your
+application's own database, so that the relay ships what your app commits while a broker is down),
 the ports of DESIGN.md (or free ones). Promises: `start` returns once every server accepts
-connections (or raises, naming the one that did not start and its log); `stop` ends them all, SIGTERM
-first then SIGKILL, and is safe to call twice.
+connections (or raises, naming the one that did not start and its log); a server that exits later
+is reported by `supervise` and started again after a pause, the others running on meanwhile; `stop`
+ends them all, SIGTERM first then SIGKILL, and is safe to call twice.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import sqlalchemy as sa
+
 from qmq.db.migrate import upgrade
 from qmq.db.url import normalize_url
 
@@ -29,6 +33,9 @@ DELAY_PORT = 20890
 BROKER_GROUP = "dev"
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
+RESTART_AFTER_S = 2.0  # a server that exited is started again after this pause...
+RESTART_MAX_S = 60.0  # ...doubled each time it dies again within STABLE_S of a start, up to this
+STABLE_S = 60.0
 
 
 def free_port() -> int:
@@ -49,7 +56,11 @@ class Server:
     args: list[str]
     port: int | None  # None: not a server (the relay)
     log_path: Path
+    metrics_port: int | None = None
     proc: subprocess.Popen | None = None
+    started_at: float = 0.0  # time.monotonic() of the last start
+    exited_at: float | None = None  # set while it is down, waiting to be started again
+    pause_s: float = 0.0  # before the next start
 
 
 @dataclass
@@ -62,7 +73,9 @@ class DevCluster:
     meta_port: int = META_PORT  # 0: a free port
     broker_port: int = BROKER_PORT
     delay_port: int = DELAY_PORT
+    metrics_port: int | None = None  # meta here, the broker +1, the delay server +2, the relay +3; 0: free ports
     relay_poll_s: float = 0.5
+    restart_after_s: float = RESTART_AFTER_S
     servers: list[Server] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -137,6 +150,10 @@ class DevCluster:
                 logs / "relay.log",
             ),
         ]
+        if self.metrics_port is not None:
+            for offset, server in enumerate(self.servers):
+                server.metrics_port = (self.metrics_port + offset) if self.metrics_port else free_port()
+                server.args += ["--metrics-port", str(server.metrics_port)]
         try:
             for server in self.servers:
                 self._start(server)
@@ -150,6 +167,7 @@ class DevCluster:
             server.proc = subprocess.Popen(
                 [sys.executable, "-m", "qmq", *server.args], stdout=log, stderr=log, env=env, start_new_session=True
             )
+        server.started_at = time.monotonic()
         if server.port is None:
             return
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -167,6 +185,36 @@ class DevCluster:
         """Servers that exited on their own."""
         return [s for s in self.servers if s.proc is not None and s.proc.poll() is not None]
 
+    def supervise(self) -> list[str]:
+        """Notice servers that exited and start them again after their pause (longer each time one
+        dies again soon after a start); the others keep running. What happened, as lines to show."""
+        events = []
+        now = time.monotonic()
+        for server in self.servers:
+            if server.proc is None:
+                continue
+            if server.exited_at is None and server.proc.poll() is not None:
+                soon = now - server.started_at < STABLE_S
+                server.pause_s = (
+                    min(server.pause_s * 2, RESTART_MAX_S) if soon and server.pause_s else self.restart_after_s
+                )
+                server.exited_at = now
+                events.append(
+                    f"the {server.name} exited with {server.proc.returncode} (log {server.log_path}); the others keep "
+                    f"running; starting it again in {server.pause_s:.0f} s"
+                )
+            elif server.exited_at is not None and now - server.exited_at >= server.pause_s:
+                try:
+                    self._start(server)
+                except RuntimeError as exc:
+                    server.exited_at = time.monotonic()
+                    server.pause_s = min(server.pause_s * 2, RESTART_MAX_S)
+                    events.append(f"{exc}; trying again in {server.pause_s:.0f} s")
+                    continue
+                server.exited_at = None
+                events.append(f"the {server.name} is running again")
+        return events
+
     def stop(self) -> None:
         """SIGTERM every server (the relay first, the meta server last), then SIGKILL what lingers."""
         running = [s for s in reversed(self.servers) if s.proc is not None and s.proc.poll() is None]
@@ -183,15 +231,22 @@ class DevCluster:
                 server.proc.wait()
 
     def describe(self) -> str:
-        return "\n".join(
-            [
-                f"qmq dev cluster is up; data and logs in {self.data_dir}",
-                f"  meta server   {self.meta}      export QMQ_META={self.meta}",
-                f"  broker group  {BROKER_GROUP:<5}  {self.broker}",
-                f"  delay server  {self.delay}",
-                f"  relay         shipping the outbox at {self.outbox_url}",
-                f"                export QMQ_DB_URL={self.outbox_url}",
-                "Try: qmq send hello '\"world\"' --json && qmq tail hello --group me --from earliest --count 1",
-                "Ctrl-C stops everything.",
-            ]
-        )
+        shown = sa.engine.make_url(self.outbox_url).render_as_string(hide_password=True)
+        lines = [
+            f"qmq dev cluster is up; data and logs in {self.data_dir}",
+            f"  meta server   {self.meta}      export QMQ_META={self.meta}",
+            f"  broker group  {BROKER_GROUP:<5}  {self.broker}",
+            f"  delay server  {self.delay}",
+            f"  relay         shipping the outbox at {shown}",
+            f"                export QMQ_DB_URL={self.outbox_url}",
+            "  Your app's outbox must be in that database (qmq dev --db URL of your app's database): messages it",
+            "  commits while a broker is down are shipped by this relay when the broker is back.",
+        ]
+        if self.metrics_port is not None:
+            ports = ", ".join(f"{s.name} {s.metrics_port}" for s in self.servers)
+            lines.append(f"  metrics       http://{HOST}:PORT/metrics on ports: {ports}")
+        lines += [
+            "Try: qmq send hello '\"world\"' --json && qmq tail hello --group me --from earliest --count 1",
+            "A server that exits is started again; Ctrl-C stops everything.",
+        ]
+        return "\n".join(lines)

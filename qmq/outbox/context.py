@@ -1,8 +1,8 @@
 """Which transaction `producer.send` writes into: the innermost `@transactional` block of that producer
 on this thread (or asyncio task), kept in a context variable.
 
-A transaction is any object with the `OutboxTransaction` methods; each framework flavour (SQLAlchemy
-sessions in qmq/outbox/session_tx.py, Django in qmq/contrib/django/tx.py) provides one.
+A transaction is any object with the `OutboxTransaction` methods (qmq/outbox/flavour.py); each
+framework flavour provides one.
 """
 
 from __future__ import annotations
@@ -10,26 +10,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any, Protocol
 
-from qmq.outbox.shipping import Shipment
-
-
-class OutboxTransaction(Protocol):
-    """What the producer needs of the application's open transaction."""
-
-    dialect: str  # "postgresql" or "sqlite"
-
-    def insert(self, values: dict[str, Any], lease_token: str | None, lease_s: float) -> None:
-        """INSERT one outbox row in the transaction, leased to `lease_token` for `lease_s` if given."""
-
-    def notify(self) -> None:
-        """Wake the relays when the transaction commits (PostgreSQL NOTIFY; nothing elsewhere)."""
-
-    def after_commit(self, shipment: Shipment) -> None:
-        """Hand `shipment` to the producer's sender once the transaction commits; drop it if the
-        transaction (or the savepoint it was sent in) rolls back."""
-
+from qmq.outbox.flavour import OutboxTransaction
 
 _open: ContextVar[tuple[tuple[object, OutboxTransaction], ...]] = ContextVar("qmq_outbox_transactions", default=())
 

@@ -1,14 +1,17 @@
 """`qmq.Producer`: sending a message as part of the application's database transaction.
 
-`send` writes an outbox row in the open transaction (an `@qmq.transactional` block, or a Django
-`atomic` block), so the message commits or rolls back with the business rows. After the commit the
-in-process sender ships it at once; the relay (`qmq relay`) ships whatever the sender could not.
-Outside any transaction, `send` writes and commits the row on its own, then ships it the same way.
+`send` writes an outbox row in the transaction the caller is in, so the message commits or rolls back
+with the business rows: the one it is given (`session=`, `connection=`), an `@qmq.transactional`
+block, a Django `atomic` block, or Flask-SQLAlchemy's `db.session`. When it cannot know the
+transaction it refuses (`NotInTransaction`) rather than commit the message on its own; `send_now`
+is the explicit standalone send. After the commit the in-process sender ships the message at once;
+the relay (`qmq relay`) ships whatever the sender could not.
 
 Promises: `send` returns the message's id, made before the commit (the id consumers and the nightly
-reconciliation see); it raises only for a message that could never be delivered (bad subject, tags,
-key, body or size) or for a database error of the insert itself; a broker that is down never makes it
-raise or block.
+reconciliation see); no path delivers a message whose transaction rolled back; it raises only for a
+message that could never be delivered (bad subject, tags, key, body or size), for a transaction it
+cannot join, or for a database error of the insert itself; a broker that is down never makes it raise
+or block.
 """
 
 from __future__ import annotations
@@ -23,19 +26,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session, scoped_session
 
 from qmq.client.blocking import Client
-from qmq.client.core import InvalidMessage, OutgoingMessage
-from qmq.outbox import context
-from qmq.outbox.context import OutboxTransaction
-from qmq.outbox.notify import NOTIFY_SQL
-from qmq.outbox.rows import insert
+from qmq.client.messages import OutgoingMessage, check_message
+from qmq.outbox import context, flavours
+from qmq.outbox.errors import NotInTransaction
+from qmq.outbox.flavour import OutboxTransaction
 from qmq.outbox.sender import Sender
 from qmq.outbox.shipping import Shipment
-from qmq.protocol import envelope
-from qmq.protocol.errors import ErrorCode
-from qmq.protocol.limits import MAX_MESSAGE_BYTES
+from qmq.protocol import bodies, envelope
 
 INSERT_LEASE_S = 10.0  # a new row is left to its own sender this long; then any relay may ship it
 MAX_DELAY = timedelta(days=730)  # the delay server's default limit: two years
@@ -46,8 +45,11 @@ class Producer:
 
     Say which database with one of: `engine` (a SQLAlchemy Engine), `session` (a Session factory or
     Flask-SQLAlchemy's `db.session`, used by `@qmq.transactional` when the function is not given one),
-    `using` (a Django database alias). `meta` (or `brokers` and `delay_servers`, lists of "host:port")
-    says where to ship. `after_commit=False` leaves every message to the relay (woken by NOTIFY)."""
+    `using` (a Django database alias); they choose the producer's flavour (qmq/outbox/flavour.py).
+    `meta` (or `brokers` and `delay_servers`, lists of "host:port") says where to ship.
+    `after_commit=False` leaves every message to the relay (woken by NOTIFY). `encoder` (a
+    `json.JSONEncoder` subclass or a `default(obj)` callable) encodes body types JSON does not know,
+    beyond datetime, Decimal and UUID (qmq/protocol/bodies.py)."""
 
     def __init__(
         self,
@@ -61,22 +63,18 @@ class Producer:
         token: str | None = None,
         after_commit: bool = True,
         insert_lease_s: float = INSERT_LEASE_S,
+        encoder: bodies.Encoder | None = None,
     ) -> None:
-        if engine is None and session is None and using is None:
-            raise ValueError("a Producer needs its database: engine=, session= or (Django) using=")
+        self.flavour = flavours.choose(engine, session, using)
+        self.encoder = bodies.encoder_class(encoder)
         self.meta = meta or os.environ.get("QMQ_META")
         self.brokers = list(brokers) if brokers else None
         self.delay_servers = list(delay_servers) if delay_servers else None
         if not self.meta and not self.brokers:
             raise ValueError("a Producer needs meta='host:port' (or $QMQ_META) or brokers=[...]")
-        self.engine = engine
-        self.session = session
-        self.using = using
         self.token = token if token is not None else os.environ.get("QMQ_TOKEN")
         self.after_commit = after_commit
         self.insert_lease_s = insert_lease_s
-        self._learned_engine: sa.Engine | None = None
-        self._database_name: str | None = None
         self._sender: Sender | None = None
         _live_producers.add(self)
 
@@ -92,23 +90,59 @@ class Producer:
         headers: Mapping[str, str] | None = None,
         delay: float | timedelta | None = None,
         deliver_at: datetime | None = None,
+        session: Any = None,
+        connection: Any = None,
     ) -> str:
-        """Write `body` for `subject` into the current transaction's outbox; return the message id.
+        """Write `body` for `subject` into the outbox of the transaction the caller is in; return the
+        message id. The transaction is `session` (a SQLAlchemy Session) or `connection` (a
+        Connection) when given, else the enclosing `@qmq.transactional` block, Django `atomic` block
+        of the producer's alias or Flask-SQLAlchemy `db.session`; with none of them, NotInTransaction.
         Bodies: bytes, str, or anything JSON can encode (the content type is recorded). With `delay`
         (seconds or a timedelta) or `deliver_at` (an aware datetime), the message goes to the delay
         server and is delivered then, never before."""
+        if session is not None or connection is not None:
+            transaction = self.flavour.given_transaction(self.handoff, session, connection)
+        else:
+            transaction = context.current(self) or self.flavour.caller_transaction(self.handoff)
+        if transaction is None:
+            raise NotInTransaction(
+                f"producer.send({subject!r}, ...) is outside any transaction this Producer can join, so its "
+                f"message could neither commit nor roll back with your work. {self.flavour.how_to_join()}. "
+                "For a message that belongs to no transaction, call producer.send_now(...)."
+            )
+        values, shipment = self._prepare(subject, body, key, tags, headers, delay, deliver_at)
+        self._write(transaction, values, shipment)
+        return shipment.message.id
+
+    def send_now(self, subject: str, body: Any, **options: Any) -> str:
+        """Send a message that belongs to no transaction: its outbox row is written and committed on
+        its own, at once, then shipped like any other (the row still guarantees delivery). Takes
+        `send`'s options but `session` and `connection`. Never use it for a message about work that
+        might still roll back."""
+        if "session" in options or "connection" in options:
+            raise TypeError("send_now() makes its own transaction: it takes no session= or connection=")
+        with self.flavour.standalone(self.handoff) as alone, context.opened(self, alone):
+            return self.send(subject, body, **options)
+
+    def _prepare(
+        self,
+        subject: str,
+        body: Any,
+        key: str | None,
+        tags: Sequence[str],
+        headers: Mapping[str, str] | None,
+        delay: float | timedelta | None,
+        deliver_at: datetime | None,
+    ) -> tuple[dict[str, Any], Shipment]:
+        """The outbox row's values and the message, checked: raises now, in the caller, for what a
+        broker would refuse, rather than in the relay, forever."""
         when = _deliver_at(delay, deliver_at)
-        raw, content_type = envelope.encode_body(body)
-        transaction = context.current(self) or self._joinable_transaction()
-        headers = {**(headers or {}), envelope.PRODUCER_HEADER: f"outbox:{self.database_name()}"}
+        raw, content_type = bodies.encode(body, self.encoder)
+        headers = {**(headers or {}), envelope.PRODUCER_HEADER: f"outbox:{self.flavour.database_name()}"}
         message = OutgoingMessage(
             subject, raw, key=key, tags=tuple(tags), headers=headers, content_type=content_type, deliver_at=when
         )
-        payload = message.to_wire()["payload"]  # raises InvalidMessage now, in the caller, for what a broker...
-        if len(payload) > MAX_MESSAGE_BYTES:  # ...would refuse, rather than in the relay, forever
-            raise InvalidMessage(
-                ErrorCode.MESSAGE_TOO_LARGE, f"message is {len(payload)} bytes, the limit is {MAX_MESSAGE_BYTES}"
-            )
+        check_message(message)  # InvalidMessage with the broker's code for what a broker would refuse
         values = {
             "message_id": message.id,
             "subject": subject,
@@ -119,11 +153,7 @@ class Producer:
             "key": key,
             "deliver_at": when,
         }
-        if transaction is None:
-            self._send_alone(values, Shipment(message))
-        else:
-            self._write(transaction, values, Shipment(message))
-        return message.id
+        return values, Shipment(message)
 
     def _write(self, transaction: OutboxTransaction, values: dict[str, Any], shipment: Shipment) -> None:
         lease = self.sender.token if self.after_commit and self.sender.has_room() else None
@@ -133,39 +163,13 @@ class Producer:
         else:
             transaction.after_commit(shipment)
 
-    def _joinable_transaction(self) -> OutboxTransaction | None:
-        """A transaction the application opened without `@transactional`: a Django `atomic` block."""
-        if self.using is None:
-            return None
-        from qmq.contrib.django.tx import DjangoTransaction, in_atomic_block
-
-        return DjangoTransaction(self, self.using) if in_atomic_block(self.using) else None
-
-    def _send_alone(self, values: dict[str, Any], shipment: Shipment) -> None:
-        """Outside any transaction: the row is written and committed on its own, then shipped."""
-        if self.using is not None:
-            from qmq.contrib.django.tx import DjangoTransaction, atomic
-
-            with atomic(self.using):
-                self._write(DjangoTransaction(self, self.using), values, shipment)
-            return
-        engine = self.sender_engine()
-        lease = self.sender.token if self.after_commit and self.sender.has_room() else None
-        with engine.begin() as conn:
-            params = {**values, "lease_token": lease, "lease_s": self.insert_lease_s} if lease else values
-            conn.execute(insert(conn.dialect.name, lease is not None), params)
-            if lease is None and conn.dialect.name == "postgresql":
-                conn.execute(sa.text(NOTIFY_SQL))
-        if lease is not None:
-            self.handoff([shipment])
-
     # ---- after the commit --------------------------------------------------------------------------
 
     @property
     def sender(self) -> Sender:
         if self._sender is None:
             self._sender = Sender(
-                self.sender_engine, self._new_client, token=str(uuid.uuid4()), lease_s=self.insert_lease_s
+                self.flavour.engine, self._new_client, token=str(uuid.uuid4()), lease_s=self.insert_lease_s
             )
         return self._sender
 
@@ -183,46 +187,6 @@ class Producer:
         if self._sender is not None:
             self._sender.close()
         _live_producers.discard(self)
-
-    def learn_engine(self, engine: sa.Engine) -> None:
-        """The engine the application's sessions write through, when the Producer got only `session=`."""
-        if self._learned_engine is None:
-            self._learned_engine = engine
-
-    def sender_engine(self) -> sa.Engine:
-        """The engine the sender reads and marks rows with (its own connections, outside the app's)."""
-        if self.engine is not None:
-            return self.engine
-        if self._learned_engine is not None:
-            return self._learned_engine
-        if self.using is not None:
-            from qmq.contrib.django.engine import engine_for_alias
-
-            self._learned_engine = engine_for_alias(self.using)
-            return self._learned_engine
-        raise RuntimeError("this Producer has no engine yet: give engine= or send inside @qmq.transactional first")
-
-    def database_name(self) -> str:
-        """The outbox database's name, as the `qmq-producer` header gives it."""
-        if self._database_name is None:
-            if self.engine is None and self._learned_engine is None and self.using is not None:
-                from qmq.contrib.django.engine import url_for_alias
-
-                self._database_name = str(url_for_alias(self.using).database or "")
-            else:
-                self._database_name = str(self.sender_engine().url.database or "")
-        return self._database_name
-
-    def default_session(self) -> Session:
-        """A Session for `@qmq.transactional` when the function is not given one: the Producer's
-        `session` (called if it is a factory or Flask-SQLAlchemy's scoped session), else a new one."""
-        if isinstance(self.session, Session):
-            return self.session
-        if isinstance(self.session, scoped_session) or callable(self.session):
-            return self.session()
-        if self.engine is None:
-            raise RuntimeError("@qmq.transactional needs a session: give the Producer engine= or session=")
-        return Session(self.engine)
 
     def _new_client(self) -> Client:
         client_id = f"producer-{socket.gethostname()}-{os.getpid()}"

@@ -101,6 +101,28 @@ def compiled_insert(dialect: str, leased: bool, paramstyle: str) -> CompiledInse
     return _COMPILED[key]
 
 
+def insert_with_cursor(
+    cursor: Any, dialect: str, paramstyle: str, values: dict[str, Any], lease_token: str | None, lease_s: float
+) -> None:
+    """INSERT one new row through a DB-API `cursor` of the application's transaction (a SQLAlchemy
+    connection's or Django's), leased to `lease_token` for `lease_s` when a token is given."""
+    params = {**values, "lease_token": lease_token, "lease_s": lease_s} if lease_token else values
+    statement = compiled_insert(dialect, lease_token is not None, paramstyle)
+    cursor.execute(statement.sql, statement.parameters(params))
+
+
+def insert_on_connection(
+    connection: sa.Connection, values: dict[str, Any], lease_token: str | None, lease_s: float
+) -> None:
+    """`insert_with_cursor` on the DB-API connection under a SQLAlchemy `connection` in a transaction."""
+    dialect = connection.dialect.name
+    cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        insert_with_cursor(cursor, dialect, "qmark" if dialect == "sqlite" else "format", values, lease_token, lease_s)
+    finally:
+        cursor.close()
+
+
 def _one_of(conn: sa.Connection, column: sa.Column, values: Sequence[Any]) -> sa.ColumnElement:
     """`column` is one of `values`: one array parameter on PostgreSQL (a thousand-value IN list costs
     more to parse and plan than to run), an IN list elsewhere."""

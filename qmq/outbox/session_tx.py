@@ -2,49 +2,38 @@
 (plain SQLAlchemy 2, or Flask-SQLAlchemy's `db.session`), so they commit or roll back with its rows.
 
 The messages of a session wait in `session.info` until its outermost transaction commits, then go to
-their producer's sender; a rollback drops them. Savepoints need no bookkeeping for correctness: the
-sender ships only rows it finds in the database, and a rolled-back savepoint's rows are not there.
+their producer's sender (its `handoff`); a rollback drops them. Savepoints need no bookkeeping for
+correctness: the sender ships only rows it finds in the database, and a rolled-back savepoint's rows
+are not there.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from qmq.outbox import rows
+from qmq.outbox.flavour import Handoff, hand_over
 from qmq.outbox.notify import NOTIFY_SQL
 from qmq.outbox.shipping import Shipment
 
-if TYPE_CHECKING:
-    from qmq.outbox.producer import Producer
-
-_PENDING = "qmq.outbox.pending"  # session.info key: [(producer, shipment)] awaiting the commit
+_PENDING = "qmq.outbox.pending"  # session.info key: [(handoff, shipment)] awaiting the commit
 _NOTIFIED = "qmq.outbox.notified"  # session.info key: NOTIFY already queued in this transaction
 
 
 class SessionTransaction:
     """`OutboxTransaction` over a `Session` in a transaction."""
 
-    def __init__(self, producer: Producer, session: Session) -> None:
-        self.producer = producer
+    def __init__(self, handoff: Handoff, session: Session) -> None:
+        self.handoff = handoff
         self.session = session
-        bind = session.get_bind()
-        self.dialect = bind.dialect.name
-        self.paramstyle = "qmark" if self.dialect == "sqlite" else "format"
-        producer.learn_engine(bind.engine if isinstance(bind, sa.Connection) else bind)
+        self.dialect = session.get_bind().dialect.name
 
     def insert(self, values: dict[str, Any], lease_token: str | None, lease_s: float) -> None:
-        params = {**values, "lease_token": lease_token, "lease_s": lease_s} if lease_token else values
         connection = self.session.connection()  # begins the session's transaction if need be
-        statement = rows.compiled_insert(self.dialect, lease_token is not None, self.paramstyle)
-        cursor = connection.connection.dbapi_connection.cursor()
-        try:
-            cursor.execute(statement.sql, statement.parameters(params))
-        finally:
-            cursor.close()
+        rows.insert_on_connection(connection, values, lease_token, lease_s)
 
     def notify(self) -> None:
         if self.dialect == "postgresql" and not self.session.info.get(_NOTIFIED):
@@ -52,7 +41,7 @@ class SessionTransaction:
             self.session.info[_NOTIFIED] = True
 
     def after_commit(self, shipment: Shipment) -> None:
-        self.session.info.setdefault(_PENDING, []).append((self.producer, shipment))
+        self.session.info.setdefault(_PENDING, []).append((self.handoff, shipment))
 
     def mark(self) -> int:
         """A position in the waiting messages, to `drop_since` when a savepoint rolls back."""
@@ -71,11 +60,7 @@ def _after_commit(session: Session) -> None:
     session.info.pop(_NOTIFIED, None)
     if not waiting:
         return
-    by_producer: dict[Producer, list[Shipment]] = defaultdict(list)
-    for producer, shipment in waiting:
-        by_producer[producer].append(shipment)
-    for producer, shipments in by_producer.items():
-        producer.handoff(shipments)
+    hand_over(waiting)
 
 
 def _after_transaction_end(session: Session, transaction: Any) -> None:

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 
 from qmq.client.blocking import Client
-from qmq.client.core import OutgoingMessage, SendResult
+from qmq.client.messages import OutgoingMessage, SendResult
 from qmq.outbox import rows
 from qmq.outbox.rows import ClaimedRow, Failure
 

@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-BYTES = "application/octet-stream"
-TEXT = "text/plain; charset=utf-8"
-JSON = "application/json"
+from qmq.protocol.bodies import BYTES, JSON
+from qmq.protocol.bodies import encode as encode_body
+
 MARKER = "qmq1"  # the envelope's format version, under key "v"
 # The header naming who produced a message; an outbox names itself "outbox:<database>", which lets the
 # reconciliation tell a rolled-back transaction's message from one sent outside any transaction.
@@ -28,18 +28,6 @@ class Envelope(NamedTuple):
     headers: dict[str, str]
     created_at: int | None  # ms since the epoch, by the producer's clock
     raw: bytes  # the body's bytes as sent
-
-
-def encode_body(body: Any) -> tuple[bytes, str]:
-    """The bytes and content type for a body."""
-    if isinstance(body, bytes | bytearray | memoryview):
-        return bytes(body), BYTES
-    if isinstance(body, str):
-        return body.encode(), TEXT
-    try:
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(), JSON
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"a message body must be bytes, str or JSON-serialisable: {exc}") from None
 
 
 def decode_body(raw: bytes, content_type: str) -> Any:

@@ -9,7 +9,8 @@ attempt: for pool processes only).
 
 Each attempt is written to `worker_attempts` at once (its own transaction); a handling that succeeds
 writes `worker_handled` through the message's session, so the row exists exactly when the worker
-committed it. Neither table has a unique key: duplicates would show. (Tables: tests/support/worker.py.)
+committed it. Neither table has a unique key: duplicates would show. The consumers do not say where
+a new group starts: the worker's default (earliest) applies. (Tables: tests/support/worker.py.)
 
 Settings (environment): QMQ_TEST_BROKERS (comma-separated), QMQ_TEST_DB, QMQ_TEST_REDIS,
 QMQ_TEST_REDIS_PREFIX, QMQ_TEST_SUBJECT, QMQ_TEST_GROUP, QMQ_TEST_IDEMPOTENT ("", "sql" or "redis"),
@@ -51,7 +52,6 @@ INSERT_HANDLED = sa.text(
 @app.consumer(
     env("QMQ_TEST_SUBJECT", "work"),
     group=env("QMQ_TEST_GROUP", "recorder"),
-    start="earliest",
     broadcast=env("QMQ_TEST_BROADCAST") == "1",
     idempotent=IDEMPOTENT,
     max_retries=int(env("QMQ_TEST_MAX_RETRIES", "5")),
@@ -89,7 +89,6 @@ for also in filter(None, env("QMQ_TEST_ALSO", "").split(",")):
     app.consumer(
         also,
         group=env("QMQ_TEST_GROUP", "recorder"),
-        start="earliest",
         idempotent=IDEMPOTENT,
         max_retries=int(env("QMQ_TEST_MAX_RETRIES", "5")),
         retry_backoff=0.2,

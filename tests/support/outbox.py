@@ -12,7 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from qmq.client.blocking import Client
-from qmq.client.core import Delivery
+from qmq.client.deliveries import Delivery
 from qmq.outbox.schema import outbox
 from tests.support.broker import ROOT
 

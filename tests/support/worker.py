@@ -38,9 +38,13 @@ def app_database(pg_url: str) -> Iterator[str]:
     """A fresh database with qmq's tables (`qmq db upgrade`, as an app does) and the test app's."""
     with fresh_database(pg_url) as url:
         upgrade(url)
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(TABLES)
+        query_autocommit(url, TABLES)
         yield url
+
+
+def query_autocommit(db_url: str, sql: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(sql)
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = WAIT_TIMEOUT_S) -> Any:

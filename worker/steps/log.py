@@ -1,16 +1,17 @@
 """The logging step: one line per message worth knowing about (logger `qmq.worker`).
 
 A retry is a WARNING with the reason and the delay, a dead letter an ERROR (with the traceback where
-the handler ran in this process), a skipped duplicate INFO, a success DEBUG (a busy worker handles
-thousands a second).
+the handler ran in this process), a deliberate `qmq.Reject` one WARNING line (the handler decided:
+nothing went wrong), a skipped duplicate INFO, a success DEBUG (a busy worker handles thousands a
+second).
 """
 
 from __future__ import annotations
 
 import logging
 
-from worker.middleware import Call, Next
 from worker.outcome import Kind, Outcome
+from worker.steps.step import Call, Next
 
 log = logging.getLogger("qmq.worker")
 
@@ -28,6 +29,14 @@ def logging_step(call: Call, call_next: Next) -> Outcome:
             message.id,
             message.attempts,
             outcome.delay_s,
+            outcome.reason,
+        )
+    elif kind is Kind.DEAD and outcome.rejected:
+        log.warning(
+            "%s %s attempt %d rejected, dead-lettered: %s",
+            call.consumer.name,
+            message.id,
+            message.attempts,
             outcome.reason,
         )
     elif kind is Kind.DEAD:

@@ -1,5 +1,5 @@
-"""Steps around a handler, in the manner of Dramatiq's middleware: each step gets the call and the
-rest of the chain, and may act before, after, or instead of it.
+"""The step protocol: steps around a handler, in the manner of Dramatiq's middleware. Each step gets
+the call and the rest of the chain, and may act before, after, or instead of it.
 
     def audit(call: Call, call_next: Next) -> Outcome:
         started = time.monotonic()
@@ -28,17 +28,19 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
 
-    from worker.app import Consumer
+    from worker.consumer import Consumer
+    from worker.database import HandlerTransaction
 
 
 @dataclass(slots=True)
 class Call:
-    """One message on its way to its handler. `connection` (in its transaction) is set by the
-    transaction step for consumers that use the database, and `session` (bound to it) for handlers
-    that take one; `state` is free for steps to pass things along."""
+    """One message on its way to its handler. `transaction` is set by the transaction step for
+    consumers that use the database, with `connection` (SQLAlchemy apps) and `session` (bound to it,
+    for handlers that take one); `state` is free for steps to pass things along."""
 
     message: Message
     consumer: Consumer
+    transaction: HandlerTransaction | None = None
     connection: Connection | None = None
     session: Session | None = None
     state: dict[str, Any] = field(default_factory=dict)

@@ -18,8 +18,8 @@ import threading
 import time
 
 from worker.errors import TimeLimitExceeded
-from worker.middleware import Call, Next
 from worker.outcome import Outcome
+from worker.steps.step import Call, Next
 
 log = logging.getLogger("qmq.worker")
 

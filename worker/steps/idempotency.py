@@ -1,9 +1,9 @@
 """The idempotency step: a message's effect happens once per consumer group, however often it is
 delivered.
 
-SQL (`idempotent=True`): a row `(consumer group, message id)` is inserted into `qmq_consumed`
-on the connection of the handler's session, in the same transaction as the handler's writes, before the
-handler runs. A delivery that finds the row already there skips the handler and is acknowledged.
+SQL (`idempotent=True`): a row `(consumer group, message id)` is inserted into `qmq_consumed` in
+the message's transaction (worker/database.py), the one of the handler's writes, before the handler
+runs. A delivery that finds the row already there skips the handler and is acknowledged.
 Exactly once, for effects in that database: the row and the writes commit together or not at all,
 and a second delivery running at the same moment waits on the first one's row lock (PostgreSQL)
 or database lock (SQLite) and then sees it. Rows older than the app's idempotency window are purged
@@ -29,9 +29,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from worker.middleware import Call, Next
 from worker.outcome import DUPLICATE, Kind, Outcome
 from worker.schema import consumed
+from worker.steps.step import Call, Next
 
 log = logging.getLogger("qmq.worker")
 
@@ -48,10 +48,16 @@ def sql_idempotency_step(call: Call, call_next: Next) -> Outcome:
     """Inside the transaction step: the record goes in with the handler's writes."""
     if call.consumer.idempotent is not True:
         return call_next(call)
-    assert call.connection is not None, "the transaction step opens the transaction first"
-    if not record_consumed(call.connection, call.consumer.group, call.message.id, call.message.subject):
-        return DUPLICATE
-    return call_next(call)
+    transaction = call.transaction
+    assert transaction is not None, "the transaction step opens the transaction first"
+    group, message = call.consumer.group, call.message
+    if transaction.connection is not None:
+        recorded = record_consumed(transaction.connection, group, message.id, message.subject)
+    else:  # a Django transaction: its cursor takes %s on every database
+        with transaction.cursor() as cursor:
+            cursor.execute(INSERT_IGNORING_DUPLICATES.format("%s"), (group, message.id, message.subject))
+            recorded = cursor.fetchone() is not None
+    return call_next(call) if recorded else DUPLICATE
 
 
 def redis_idempotency_step(call: Call, call_next: Next) -> Outcome:

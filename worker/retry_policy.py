@@ -1,4 +1,5 @@
-"""The retry step: turns what a handler raised into an outcome, and the backoff between attempts.
+"""A consumer's retry policy: what a handler raised becomes an outcome (the retry step,
+worker/steps/retry.py, applies it), and the backoff between attempts.
 
 - `Reject(reason)`: dead-lettered at once.
 - `Retry(delay)`: delivered again after `delay` (the consumer's backoff when None).
@@ -19,7 +20,6 @@ import traceback
 from dataclasses import dataclass
 
 from worker.errors import Reject, Retry
-from worker.middleware import Call, Next
 from worker.outcome import Kind, Outcome
 
 DEFAULT_MAX_RETRIES = 32
@@ -63,7 +63,7 @@ class RetryPolicy:
         """The outcome of a delivery (its `attempts`-th) that raised `exc`."""
         reason = describe(exc)
         if isinstance(exc, Reject):
-            return Outcome(Kind.DEAD, reason=reason, error=exc)
+            return Outcome(Kind.DEAD, reason=reason, error=exc, rejected=True)
         if not isinstance(exc, Retry) and (
             not isinstance(exc, self.autoretry_for) or isinstance(exc, self.dont_autoretry_for)
         ):
@@ -82,11 +82,3 @@ def describe(exc: BaseException) -> str:
         last = frames[-1]
         text += f" (at {last.filename}:{last.lineno} in {last.name})"
     return text[:MAX_REASON_CHARS]
-
-
-def retry_step(call: Call, call_next: Next) -> Outcome:
-    """Any exception from the steps inside becomes the consumer's retry policy's outcome."""
-    try:
-        return call_next(call)
-    except Exception as exc:
-        return call.consumer.retry.decide(exc, call.message.attempts)

@@ -1,0 +1,98 @@
+"""An outbox transaction over a SQLAlchemy `Connection` (Core, or a Session bound to a connection the
+caller holds): rows go through the connection's own transaction, and its messages go to the sender
+once that transaction has committed.
+
+SQLAlchemy has no "after commit" event for a Connection, so the messages wait in `connection.info`
+(which belongs to the DB-API connection): the `commit` event (sent just before the COMMIT) marks them
+committed, and they are handed over when the connection begins its next transaction or goes back to
+the pool, whichever comes first (`with engine.begin() as conn:` hands them over as the block ends).
+A `rollback` drops them. Correctness never rests on this timing: the sender ships only rows it finds
+in the database, so a message handed over too early (its COMMIT failed) is simply not there; one
+never handed over (a connection kept idle after its commit) is shipped by the relay when its lease
+runs out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from qmq.outbox import open_transactions, rows
+from qmq.outbox.flavour import Handoff, hand_over
+from qmq.outbox.notify import NOTIFY_SQL
+from qmq.outbox.shipping import Shipment
+
+_PENDING = "qmq.outbox.pending"  # connection.info: [(handoff, shipment)] of the open transaction
+_COMMITTED = "qmq.outbox.committed"  # connection.info: the same, committed, not yet handed over
+_NOTIFIED = "qmq.outbox.notified"  # connection.info: NOTIFY already queued in the open transaction
+
+
+class ConnectionTransaction:
+    """`OutboxTransaction` over a `Connection` in a transaction."""
+
+    def __init__(self, handoff: Handoff, connection: sa.Connection) -> None:
+        watch(connection.engine)
+        self.handoff = handoff
+        self.connection = connection
+        self.dialect = connection.dialect.name
+
+    def insert(self, values: dict[str, Any], lease_token: str | None, lease_s: float) -> None:
+        rows.insert_on_connection(self.connection, values, lease_token, lease_s)
+
+    def notify(self) -> None:
+        if self.dialect == "postgresql" and not self.connection.info.get(_NOTIFIED):
+            self.connection.execute(sa.text(NOTIFY_SQL))
+            self.connection.info[_NOTIFIED] = True
+
+    def after_commit(self, shipment: Shipment) -> None:
+        self.connection.info.setdefault(_PENDING, []).append((self.handoff, shipment))
+
+    def mark(self) -> int:
+        """A position in the waiting messages, to `drop_since` when a savepoint rolls back."""
+        return len(self.connection.info.get(_PENDING, ()))
+
+    def drop_since(self, mark: int) -> None:
+        del self.connection.info.get(_PENDING, [])[mark:]
+
+
+def watch(engine: sa.Engine) -> None:
+    """Follow the transactions of `engine`'s connections (once per engine): for the messages above,
+    and for `@qmq.transactional` to find a transaction the caller has open (open_transactions.py)."""
+    if sa.event.contains(engine, "commit", _committing):
+        return
+    sa.event.listen(engine, "begin", _began)
+    sa.event.listen(engine, "commit", _committing)
+    sa.event.listen(engine, "rollback", _rolled_back)
+    sa.event.listen(engine, "checkin", _checked_in)
+
+
+def _began(connection: sa.Connection) -> None:
+    _hand_over(connection.info)
+    open_transactions.push(connection)
+
+
+def _committing(connection: sa.Connection) -> None:
+    info = connection.info
+    info.pop(_NOTIFIED, None)
+    waiting = info.pop(_PENDING, None)
+    if waiting:
+        info.setdefault(_COMMITTED, []).extend(waiting)
+    open_transactions.remove(connection)
+
+
+def _rolled_back(connection: sa.Connection) -> None:
+    connection.info.pop(_PENDING, None)
+    connection.info.pop(_NOTIFIED, None)
+    open_transactions.remove(connection)
+
+
+def _checked_in(dbapi_connection: Any, record: Any) -> None:
+    _hand_over(record.info)
+
+
+def _hand_over(info: dict) -> None:
+    committed = info.pop(_COMMITTED, None)
+    if not committed:
+        return
+    hand_over(committed)
