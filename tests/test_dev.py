@@ -1,5 +1,6 @@
 """`qmq dev`: one command brings up a meta server, a broker group, the delay server and a relay that a
-producer and a consumer can use at once, with metrics when asked; a server that dies is reported and
+producer and a consumer can use at once, with the web console printed in its banner and metrics when
+asked; a server that dies is reported and
 started again while the others keep running, and the relay ships what the app committed meanwhile
 into its own PostgreSQL database; Ctrl-C takes every one of them down."""
 
@@ -21,7 +22,7 @@ from tests.support.databases import fresh_database
 from tests.support.outbox import consume, outbox_rows
 from tests.test_meta import log_text, wait_until
 
-FREE_PORTS = ("--meta-port", "0", "--broker-port", "0", "--delay-port", "0")
+FREE_PORTS = ("--meta-port", "0", "--broker-port", "0", "--delay-port", "0", "--console-port", "0")
 DEV_ENV = {"PYTHONPATH": str(ROOT), "QMQ_DB_URL": "", "QMQ_META": ""}
 
 
@@ -75,7 +76,10 @@ def test_the_dev_cluster_serves_and_stops_on_ctrl_c(processes, tmp_path) -> None
     meta = re.search(r"QMQ_META=(\S+)", text).group(1)
     outbox_url = re.search(r"QMQ_DB_URL=(\S+)", text).group(1)
     servers = children(dev)
-    assert set(servers) == {"meta", "broker", "delay-server", "relay"}
+    assert set(servers) == {"meta", "broker", "delay-server", "console", "relay"}
+    console = re.search(r"web console +(\S+)", text).group(1)
+    with urllib.request.urlopen(console + "/", timeout=30) as page:  # the banner's console shows this cluster
+        assert meta in page.read().decode()
     metrics = dict(re.findall(r"(meta|broker|delay-server|relay) (\d+)", text.split("metrics", 1)[1]))
     for port in metrics.values():  # the relay has no port of its own to wait for: its metrics may come later
         wait_until(lambda port=port: b"# TYPE" in scrape(port), f"metrics on port {port}")

@@ -1,5 +1,5 @@
-"""`qmq dev`: the embedded cluster (meta server, one broker group, the delay server, a relay) in one
-command, until Ctrl-C (qmq/dev/cluster.py). A server that exits is reported and started again; the
+"""`qmq dev`: the embedded cluster (meta server, one broker group, the delay server, a relay, the web
+console) in one command, until Ctrl-C (qmq/dev/cluster.py). A server that exits is reported and started again; the
 others keep running."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import click
 
 from qmq.db.url import DB_URL_ENV
-from qmq.dev.cluster import BROKER_PORT, DELAY_PORT, META_PORT, RESTART_AFTER_S, DevCluster
+from qmq.dev.cluster import BROKER_PORT, CONSOLE_PORT, DELAY_PORT, META_PORT, RESTART_AFTER_S, DevCluster
 
 WATCH_INTERVAL_S = 1.0
 RESTART_HELP = (
@@ -39,6 +39,10 @@ RESTART_HELP = (
 @click.option("--broker-port", type=click.IntRange(0, 65535), default=BROKER_PORT, show_default=True)
 @click.option("--delay-port", type=click.IntRange(0, 65535), default=DELAY_PORT, show_default=True)
 @click.option(
+    "--console-port", type=click.IntRange(0, 65535), default=CONSOLE_PORT, show_default=True, help="the web console"
+)
+@click.option("--no-console", is_flag=True, help="do not start the web console")
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
@@ -52,10 +56,12 @@ def dev(
     meta_port: int,
     broker_port: int,
     delay_port: int,
+    console_port: int,
+    no_console: bool,
     metrics_port: int | None,
     restart_after: float,
 ) -> None:
-    """Run a meta server, a broker group, the delay server and a relay until Ctrl-C."""
+    """Run a meta server, a broker group, the delay server, a relay and the web console until Ctrl-C."""
     db_url = db_url or os.environ.get(DB_URL_ENV) or None
     cluster = DevCluster(
         data_dir,
@@ -64,6 +70,7 @@ def dev(
         meta_port=meta_port,
         broker_port=broker_port,
         delay_port=delay_port,
+        console_port=None if no_console else console_port,
         metrics_port=metrics_port,
         restart_after_s=restart_after,
     )

@@ -1,5 +1,6 @@
 """The embedded cluster behind `qmq dev` and `qmq demo`: a meta server, one broker group, the delay
-server and a relay, as child processes of this one, on one data directory.
+server, a relay and (for `qmq dev`, when its extra is installed) the web console, as child processes
+of this one, on one data directory.
 
 Defaults suit a laptop: SQLite for the meta server and the outbox unless a URL is given (give your
 application's own database, so that the relay ships what your app commits while a broker is down),
@@ -12,6 +13,7 @@ ends them all, SIGTERM first then SIGKILL, and is safe to call twice.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -30,6 +32,7 @@ HOST = "127.0.0.1"
 META_PORT = 20880
 BROKER_PORT = 20881
 DELAY_PORT = 20890
+CONSOLE_PORT = 20900
 BROKER_GROUP = "dev"
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
@@ -74,15 +77,22 @@ class DevCluster:
     broker_port: int = BROKER_PORT
     delay_port: int = DELAY_PORT
     metrics_port: int | None = None  # meta here, the broker +1, the delay server +2, the relay +3; 0: free ports
+    console_port: int | None = None  # the web console's (qmq console); None: no console; 0: a free port
     relay_poll_s: float = 0.5
     restart_after_s: float = RESTART_AFTER_S
     servers: list[Server] = field(default_factory=list)
+    console_missing: bool = field(default=False, init=False)  # asked for, but its extra is not installed
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).resolve()
         self.meta_port = self.meta_port or free_port()
         self.broker_port = self.broker_port or free_port()
         self.delay_port = self.delay_port or free_port()
+        if self.console_port is not None and not console_installed():
+            self.console_port = None
+            self.console_missing = True
+        elif self.console_port is not None:
+            self.console_port = self.console_port or free_port()
         self.outbox_url = normalize_url(self.outbox_url or f"sqlite:///{self.data_dir / 'outbox.sqlite3'}")
         self.meta_db_url = normalize_url(self.meta_db_url or f"sqlite:///{self.data_dir / 'meta.sqlite3'}")
 
@@ -98,12 +108,17 @@ class DevCluster:
     def delay(self) -> str:
         return f"{HOST}:{self.delay_port}"
 
+    @property
+    def console(self) -> str | None:
+        """The web console's URL, when the cluster runs one."""
+        return f"http://{HOST}:{self.console_port}" if self.console_port is not None else None
+
     def start(self) -> None:
         """Start every server, in dependency order, each once the one before it listens."""
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        for port in (self.meta_port, self.broker_port, self.delay_port):
-            if _listening(port):
+        for port in (self.meta_port, self.broker_port, self.delay_port, self.console_port):
+            if port is not None and _listening(port):
                 raise RuntimeError(f"port {port} is taken: stop what uses it, or pick other ports")
         upgrade(self.outbox_url)
         self.servers = [
@@ -154,6 +169,17 @@ class DevCluster:
             for offset, server in enumerate(self.servers):
                 server.metrics_port = (self.metrics_port + offset) if self.metrics_port else free_port()
                 server.args += ["--metrics-port", str(server.metrics_port)]
+        if self.console_port is not None:  # reads the others, so it starts after them (before the relay)
+            self.servers.insert(
+                3,
+                Server(
+                    "console",
+                    ["console", "--port", str(self.console_port), "--meta", self.meta, "--db", self.outbox_url,
+                     "--reports", str(self.data_dir / "reports")],
+                    self.console_port,
+                    logs / "console.log",
+                ),
+            )  # fmt: skip
         try:
             for server in self.servers:
                 self._start(server)
@@ -242,11 +268,20 @@ class DevCluster:
             "  Your app's outbox must be in that database (qmq dev --db URL of your app's database): messages it",
             "  commits while a broker is down are shipped by this relay when the broker is back.",
         ]
+        if self.console is not None:
+            lines.append(f"  web console   {self.console}")
+        elif self.console_missing:
+            lines.append("  web console   not installed: pip install 'qmq[console]'")
         if self.metrics_port is not None:
-            ports = ", ".join(f"{s.name} {s.metrics_port}" for s in self.servers)
+            ports = ", ".join(f"{s.name} {s.metrics_port}" for s in self.servers if s.metrics_port is not None)
             lines.append(f"  metrics       http://{HOST}:PORT/metrics on ports: {ports}")
         lines += [
             "Try: qmq send hello '\"world\"' --json && qmq tail hello --group me --from earliest --count 1",
             "A server that exits is started again; Ctrl-C stops everything.",
         ]
         return "\n".join(lines)
+
+
+def console_installed() -> bool:
+    """Whether the web console's extra (`qmq[console]`: Flask, waitress) is installed."""
+    return all(importlib.util.find_spec(name) is not None for name in ("flask", "waitress"))
