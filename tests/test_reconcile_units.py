@@ -11,9 +11,9 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from qmq.cli.time_options import parse_duration, parse_time
 from qmq.ids import new_id
 from qmq.ledger import tables as lt
+from qmq.times import parse_duration, parse_time
 from spark_etl import classify as c
 from spark_etl.session import JDBC_PACKAGE, JdbcDriverMissing, jdbc_jar
 from spark_etl.settings import Threshold

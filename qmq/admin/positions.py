@@ -4,7 +4,7 @@ stored at or after it), as the broker's request fields."""
 
 from __future__ import annotations
 
-from qmq.cli.time_options import TIME_FORMS, parse_time
+from qmq.times import TIME_FORMS, parse_time
 
 POSITION_FORMS = f"earliest, latest, a sequence number, or a time ({TIME_FORMS}): the first message stored then"
 
