@@ -9,6 +9,7 @@ import click
 
 from qmq.admin.views import dead_view, per_group, totals
 from qmq.cli.admin_options import admin_client, admin_options, confirm, emit, table
+from qmq.cli.options import stacked
 from qmq.client.admin import MAX_DEAD_SELECTED
 from qmq.client.blocking import Admin
 
@@ -36,16 +37,7 @@ def dead_list(subject, group, meta, brokers, delay_servers, token, as_json, log_
 def _render_list(view: dict[str, Any]) -> None:
     table(
         view["messages"],
-        [
-            ("broker group", "broker_group"),
-            ("seq", "seq"),
-            ("id", "id"),
-            ("key", "key"),
-            ("attempts", "attempts"),
-            ("dead at", "dead_at"),
-            ("reason", "reason"),
-            ("body", "body"),
-        ],
+        ["broker_group", "seq", "id", "key", "attempts", "dead_at", "reason", "body"],
         empty="(no dead letters)",
     )
 
@@ -79,12 +71,17 @@ def _dead_action(name: str, field: str, subject, group, ids, yes, options) -> No
     emit(data, as_json, lambda d: click.echo(f"{d[field]} dead letters {field} ({subject}, group {group})"))
 
 
+dead_selection = stacked(
+    click.argument("subject"),
+    click.argument("group"),
+    admin_options,
+    click.option("--id", "ids", multiple=True, help="only this dead letter (repeat for several) [default: all]"),
+    click.option("-y", "--yes", is_flag=True, help="do not ask for confirmation"),
+)
+
+
 @dead.command("redrive")
-@click.argument("subject")
-@click.argument("group")
-@admin_options
-@click.option("--id", "ids", multiple=True, help="only this dead letter (repeat for several) [default: all]")
-@click.option("-y", "--yes", is_flag=True, help="do not ask for confirmation")
+@dead_selection
 def dead_redrive(subject, group, meta, brokers, delay_servers, token, as_json, log_level, ids, yes) -> None:
     """Send GROUP's dead letters on SUBJECT back to the group (through its retry subject, attempt 1
     again): all of them, or those named with --id."""
@@ -94,11 +91,7 @@ def dead_redrive(subject, group, meta, brokers, delay_servers, token, as_json, l
 
 
 @dead.command("purge")
-@click.argument("subject")
-@click.argument("group")
-@admin_options
-@click.option("--id", "ids", multiple=True, help="only this dead letter (repeat for several) [default: all]")
-@click.option("-y", "--yes", is_flag=True, help="do not ask for confirmation")
+@dead_selection
 def dead_purge(subject, group, meta, brokers, delay_servers, token, as_json, log_level, ids, yes) -> None:
     """Drop GROUP's dead letters on SUBJECT (all, or those named with --id): no longer listed,
     counted or re-driven (they stay in the log until its retention)."""

@@ -22,7 +22,7 @@ def position(text: str) -> tuple[str | int, int | None]:
 
 
 def _render(data: dict[str, Any]) -> None:
-    table(data["broker_groups"], [("broker group", "group"), ("address", "address"), *data["columns"]])
+    table(data["broker_groups"], [("broker group", "group"), "address", *data["columns"]])
 
 
 @click.command("reset")
@@ -38,7 +38,7 @@ def reset(subject, group, meta, brokers, delay_servers, token, as_json, log_leve
     with admin_client(meta, brokers, delay_servers, token, log_level) as admin:
         confirm(f"Move group {group} on {subject} to {to}?", yes)
         answers = admin.reset(subject, group, position_, time_ms)
-    data = {"broker_groups": per_group(answers), "errors": errors(answers), "columns": [("cursor", "cursor")]}
+    data = {"broker_groups": per_group(answers), "errors": errors(answers), "columns": ["cursor"]}
     emit({k: v for k, v in data.items() if k != "columns"} if as_json else data, as_json, _render)
 
 
@@ -61,7 +61,7 @@ def group_create(subject, group_name, meta, brokers, delay_servers, token, as_js
     data = {
         "broker_groups": per_group(answers),
         "errors": errors(answers),
-        "columns": [("created", "created"), ("cursor", "cursor")],
+        "columns": ["created", "cursor"],
     }
     emit({k: v for k, v in data.items() if k != "columns"} if as_json else data, as_json, _render)
 
@@ -78,5 +78,5 @@ def group_delete(subject, group_name, meta, brokers, delay_servers, token, as_js
     with admin_client(meta, brokers, delay_servers, token, log_level) as admin:
         confirm(f"Delete group {group_name} on {subject}, with its retries and dead letters?", yes)
         answers = admin.group_delete(subject, group_name, force)
-    data = {"broker_groups": per_group(answers), "errors": errors(answers), "columns": [("deleted", "deleted")]}
+    data = {"broker_groups": per_group(answers), "errors": errors(answers), "columns": ["deleted"]}
     emit({k: v for k, v in data.items() if k != "columns"} if as_json else data, as_json, _render)

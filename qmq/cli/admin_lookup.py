@@ -53,28 +53,13 @@ def _render(view: dict[str, Any]) -> None:
         click.echo("  life:")
         table(
             m["life"],
-            [
-                ("at", "at"),
-                ("event", "event"),
-                ("group", "group"),
-                ("consumer", "consumer"),
-                ("attempt", "attempt"),
-                ("reason", "reason"),
-                ("retry at", "retry_at"),
-            ],
+            ["at", "event", "group", "consumer", "attempt", "reason", "retry_at"],
         )
         if m["truncated"]:
             click.echo("  (the journal is longer than a look-up reads: later events are not shown)")
         table(
             m["summary"],
-            [
-                ("group", "group"),
-                ("now", "fate"),
-                ("since", "since"),
-                ("deliveries", "deliveries"),
-                ("failures", "failures"),
-                ("last failure", "last_reason"),
-            ],
+            ["group", ("now", "fate"), "since", "deliveries", "failures", ("last failure", "last_reason")],
         )
         click.echo("  now, per consumer group: " + (", ".join(f"{g} {s}" for g, s in m["groups"].items()) or "-"))
     for d in view["delayed"]:

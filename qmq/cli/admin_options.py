@@ -6,55 +6,38 @@ makes the exit status 1, after what the others answered is printed."""
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
+from qmq.cli.options import (
+    brokers_option,
+    choose_meta,
+    delay_servers_option,
+    log_level_option,
+    meta_option,
+    setup_logging,
+    stacked,
+    token_option,
+)
 from qmq.client import ClientError
 from qmq.client.blocking import Admin
-from qmq.client.routes import DEFAULT_META_ADDRESS, META_ENV
-from qmq.net.common import TOKEN_ENV
 
-F = TypeVar("F", bound=Callable[..., Any])
 MAX_CELL = 60  # characters of a table cell; --json has everything
 
 
-def admin_options(fn: F) -> F:
-    """--meta, --broker, --delay-server, --token, --json and --log-level, in that order in --help."""
-    for option in reversed(
-        [
-            click.option(
-                "--meta",
-                envvar=META_ENV,
-                default=None,
-                metavar="HOST:PORT",
-                help=f"meta server [env {META_ENV}; default {DEFAULT_META_ADDRESS}]",
-            ),
-            click.option(
-                "--broker",
-                "brokers",
-                multiple=True,
-                metavar="HOST:PORT",
-                help="a broker to ask directly, without a meta server (repeat for several)",
-            ),
-            click.option(
-                "--delay-server",
-                "delay_servers",
-                multiple=True,
-                metavar="HOST:PORT",
-                help="a delay server to ask directly (repeat for several)",
-            ),
-            click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token the servers expect [env {TOKEN_ENV}]"),
-            click.option("--json", "as_json", is_flag=True, help="print one JSON document (for scripts)"),
-            click.option("-l", "--log-level", default="WARNING", show_default=True, help="logged to stderr"),
-        ]
-    ):
-        fn = option(fn)
-    return fn
+admin_options = stacked(
+    meta_option(),
+    brokers_option("a broker to ask directly, without a meta server (repeat for several)"),
+    delay_servers_option("a delay server to ask directly (repeat for several)"),
+    token_option(),
+    click.option("--json", "as_json", is_flag=True, help="print one JSON document (for scripts)"),
+    log_level_option(help="logged to stderr"),
+)
+"""--meta, --broker, --delay-server, --token, --json and --log-level, in that order in --help."""
 
 
 @contextmanager
@@ -62,15 +45,11 @@ def admin_client(
     meta: str | None, brokers: Sequence[str], delay_servers: Sequence[str], token: str | None, log_level: str
 ) -> Iterator[Admin]:
     """The `Admin` client for a command; bad addresses are usage errors, client errors clean ones."""
-    logging.basicConfig(level=log_level.upper(), format="qmq %(levelname)s %(name)s: %(message)s")
-    if meta and brokers:
-        source = click.get_current_context().get_parameter_source("meta")
-        if source is not click.core.ParameterSource.ENVIRONMENT:
-            raise click.UsageError("give --meta or --broker, not both")
-        meta = None  # --broker wins over a meta server that came from the environment
+    setup_logging(log_level)
+    meta = choose_meta(meta, brokers)
     try:
         admin = Admin(
-            meta=meta or None,
+            meta=meta,
             brokers=list(brokers) or None,
             delay_servers=list(delay_servers) or None,
             token=token or None,
@@ -84,6 +63,17 @@ def admin_client(
         raise click.ClickException(str(exc)) from None
     finally:
         admin.close()
+
+
+def report(
+    options: dict[str, Any], fetch: Callable[[Admin], dict[str, Any]], render: Callable[[dict[str, Any]], None]
+) -> None:
+    """A read-only command: `fetch` a view with the client `options` (admin_options' values) make,
+    then `emit` it."""
+    as_json = options.pop("as_json")
+    with admin_client(**options) as admin:
+        view = fetch(admin)
+    emit(view, as_json, render)
 
 
 def emit(data: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], None]) -> None:
@@ -115,11 +105,13 @@ def cell(value: Any) -> str:
     return text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…"
 
 
-def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], empty: str = "(none)") -> None:
-    """Rows as aligned columns: `columns` are (heading, key)."""
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str | tuple[str, str]], empty: str = "(none)") -> None:
+    """Rows as aligned columns: `columns` are keys (headed by the key with spaces for underscores)
+    or (heading, key) pairs."""
     if not rows:
         click.echo(empty)
         return
+    columns = [(c.replace("_", " "), c) if isinstance(c, str) else c for c in columns]
     cells = [[cell(row.get(key)) for _heading, key in columns] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, (h, _k) in enumerate(columns)]
     click.echo("  ".join(h.upper().ljust(w) for (h, _k), w in zip(columns, widths, strict=True)).rstrip())

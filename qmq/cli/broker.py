@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import logging
+from typing import Any
 
 import click
 
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
+from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
 from qmq.net.common import TOKEN_ENV
 from qmq.store.store import StoreError
 
+CLIENTS_TOKEN_HELP = f"token clients must present [env {TOKEN_ENV}]"
+
 # Shared with `qmq delay-server`.
+ADVERTISE = click.option("--advertise", default=None, help="host:port clients should use [default: HOST:PORT]")
 ADVERTISE_EXTERNAL = click.option(
     "--advertise-external",
     default=None,
@@ -22,68 +26,40 @@ ADVERTISE_EXTERNAL = click.option(
 
 @click.command("broker")
 @click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="the broker's store directory")
-@click.option("--host", default=DEFAULT_HOST, show_default=True, help="address to listen on")
-@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
+@listen_options(DEFAULT_HOST, DEFAULT_PORT)
 @click.option("--meta", envvar="QMQ_META", default=None, help="meta server host:port [env QMQ_META]; none: serve alone")
 @click.option("--group", default=None, help="broker group name [default: broker-PORT]")
-@click.option("--advertise", default=None, help="host:port clients should use [default: HOST:PORT]")
+@ADVERTISE
 @ADVERTISE_EXTERNAL
 @click.option(
     "--flush",
     type=click.Choice(["sync", "async"]),
     default="sync",
     show_default=True,
-    help="sync: reply after fsync (group commit); async: fsync every 100 ms",
+    help="sync: reply after fsync (group commit); async: fsync every 500 ms",
 )
-@click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token clients must present [env {TOKEN_ENV}]")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="serve Prometheus metrics here")
-@click.option(
+@token_option(CLIENTS_TOKEN_HELP)
+@metrics_port_option()
+@tuning(
     "--consumer-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=DEFAULT_CONSUMER_TIMEOUT_S,
-    show_default=True,
-    help="seconds of silence after which a consumer's unacked messages go to others",
+    click.FloatRange(min=0, min_open=True),
+    DEFAULT_CONSUMER_TIMEOUT_S,
+    "seconds of silence after which a consumer's unacked messages go to others",
+    "consumer_timeout_s",
 )
-@click.option(
+@tuning(
     "--max-attempts",
-    type=click.IntRange(1),
-    default=DEFAULT_MAX_ATTEMPTS,
-    show_default=True,
-    help="attempts before a message is dead-lettered, unless the consumer says otherwise",
+    click.IntRange(1),
+    DEFAULT_MAX_ATTEMPTS,
+    "attempts before a message is dead-lettered, unless the consumer says otherwise",
 )
-@click.option("-l", "--log-level", default="INFO", show_default=True, help="DEBUG, INFO, WARNING or ERROR")
-def broker(
-    data_dir: str,
-    host: str,
-    port: int,
-    meta: str | None,
-    group: str | None,
-    advertise: str | None,
-    advertise_external: str | None,
-    flush: str,
-    token: str | None,
-    metrics_port: int | None,
-    consumer_timeout: float,
-    max_attempts: int,
-    log_level: str,
-) -> None:
+@log_level_option("INFO", "DEBUG, INFO, WARNING or ERROR")
+def broker(data_dir: str, log_level: str, **settings: Any) -> None:
     """Run a broker: stores messages and serves them to consumer groups."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(log_level, server=True)
+    settings["token"] = settings["token"] or None
     try:
-        run(
-            data_dir,
-            host=host,
-            port=port,
-            meta=meta,
-            group=group,
-            advertise=advertise,
-            advertise_external=advertise_external,
-            flush=flush,
-            token=token or None,
-            metrics_port=metrics_port,
-            consumer_timeout_s=consumer_timeout,
-            max_attempts=max_attempts,
-        )
+        run(data_dir, **settings)
     except StoreError as exc:
         raise click.ClickException(f"cannot open the store in {data_dir}: {exc}") from None
     except OSError as exc:

@@ -10,45 +10,35 @@ import threading
 
 import click
 
+from qmq.cli.options import metrics_port_option, tuning
 from qmq.db.url import DB_URL_ENV
 from qmq.dev.cluster import BROKER_PORT, CONSOLE_PORT, DELAY_PORT, META_PORT, RESTART_AFTER_S, DevCluster
 
 WATCH_INTERVAL_S = 1.0
+PORT = click.IntRange(0, 65535)
+DATA_DIR_HELP = "stores, databases and logs of the cluster"
+DB_HELP = (
+    "your app's database: its outbox is what the relay ships (and the meta server's tables go there) "
+    f"[env {DB_URL_ENV}; default SQLite files in DATA_DIR]"
+)
+METRICS_HELP = (
+    "serve Prometheus metrics: the meta server on this port, the broker, delay server and relay on the next "
+    "ones (0: free ports) [default: none]"
+)
 RESTART_HELP = (
     f"seconds before a server that exited is started again (doubling if it keeps dying) [default: {RESTART_AFTER_S:g}]"
 )
 
 
 @click.command("dev")
-@click.option(
-    "--data-dir",
-    default="qmq-dev",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="stores, databases and logs of the cluster",
-)
-@click.option(
-    "--db",
-    "db_url",
-    default=None,
-    metavar="URL",
-    help=f"your app's database: its outbox is what the relay ships (and the meta server's tables go there) "
-    f"[env {DB_URL_ENV}; default SQLite files in DATA_DIR]",
-)
-@click.option("--meta-port", type=click.IntRange(0, 65535), default=META_PORT, show_default=True, help="0: a free port")
-@click.option("--broker-port", type=click.IntRange(0, 65535), default=BROKER_PORT, show_default=True)
-@click.option("--delay-port", type=click.IntRange(0, 65535), default=DELAY_PORT, show_default=True)
-@click.option(
-    "--console-port", type=click.IntRange(0, 65535), default=CONSOLE_PORT, show_default=True, help="the web console"
-)
+@click.option("--data-dir", default="qmq-dev", show_default=True, type=click.Path(file_okay=False), help=DATA_DIR_HELP)
+@click.option("--db", "db_url", default=None, metavar="URL", help=DB_HELP)
+@tuning("--meta-port", PORT, META_PORT, "0: a free port")
+@tuning("--broker-port", PORT, BROKER_PORT, "0: a free port")
+@tuning("--delay-port", PORT, DELAY_PORT, "0: a free port")
+@tuning("--console-port", PORT, CONSOLE_PORT, "the web console")
 @click.option("--no-console", is_flag=True, help="do not start the web console")
-@click.option(
-    "--metrics-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="serve Prometheus metrics: the meta server on this port, the broker, delay server and relay on the next "
-    "ones (0: free ports) [default: none]",
-)
+@metrics_port_option(METRICS_HELP)
 @click.option("--restart-after", type=click.FloatRange(min=0), default=RESTART_AFTER_S, help=RESTART_HELP)
 def dev(
     data_dir: str,

@@ -26,6 +26,9 @@ def export_store(data_dir: Path, out: Path, **options: Any) -> ExportReport:
     return export(data_dir, out, kind=DELAY_STORE if is_delay_store(data_dir) else BROKER_STORE, **options)
 
 
+EXISTING_FOLDER = click.Path(exists=True, file_okay=False)
+
+
 @click.group()
 def ledger() -> None:
     """The broker ledger for the nightly reconciliation."""
@@ -33,10 +36,7 @@ def ledger() -> None:
 
 @ledger.command("export")
 @click.option(
-    "--data-dir",
-    required=True,
-    type=click.Path(exists=True, file_okay=False),
-    help="a broker's or delay server's store directory (may be in use)",
+    "--data-dir", required=True, type=EXISTING_FOLDER, help="a broker's or delay server's store (may be in use)"
 )
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="the ledger directory (shared by stores)")
 @click.option("--since", type=TIME, default=None, help="first day to export (default: the oldest stored)")

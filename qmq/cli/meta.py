@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import logging
+from typing import Any
 
 import click
 import sqlalchemy as sa
 
+from qmq.cli.broker import CLIENTS_TOKEN_HELP
+from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
 from qmq.db.url import DB_URL_ENV, DEFAULT_META_DB_URL, resolve_url
 from qmq.meta.registry import UNAVAILABLE_AFTER_S
 from qmq.meta.server import DEFAULT_HOST, DEFAULT_PORT, run
-from qmq.net.common import TOKEN_ENV
 
 
 @click.command("meta")
-@click.option("--host", default=DEFAULT_HOST, show_default=True, help="address to listen on")
-@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
+@listen_options(DEFAULT_HOST, DEFAULT_PORT)
 @click.option(
     "--external-port",
     type=click.IntRange(0, 65535),
@@ -30,41 +30,25 @@ from qmq.net.common import TOKEN_ENV
     default=None,
     help=f"SQLAlchemy URL of the meta database [env {DB_URL_ENV}; default {DEFAULT_META_DB_URL}]",
 )
-@click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token clients must present [env {TOKEN_ENV}]")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="serve Prometheus metrics here")
-@click.option(
+@token_option(CLIENTS_TOKEN_HELP)
+@metrics_port_option()
+@tuning(
     "--heartbeat-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=UNAVAILABLE_AFTER_S,
-    show_default=True,
-    help="seconds without a heartbeat after which a server is unavailable",
+    click.FloatRange(min=0, min_open=True),
+    UNAVAILABLE_AFTER_S,
+    "seconds without a heartbeat after which a server is unavailable",
+    "heartbeat_timeout_s",
 )
-@click.option("-l", "--log-level", default="INFO", show_default=True, help="DEBUG, INFO, WARNING or ERROR")
-def meta(
-    host: str,
-    port: int,
-    external_port: int | None,
-    db_url: str | None,
-    token: str | None,
-    metrics_port: int | None,
-    heartbeat_timeout: float,
-    log_level: str,
-) -> None:
+@log_level_option("INFO", "DEBUG, INFO, WARNING or ERROR")
+def meta(db_url: str | None, log_level: str, **settings: Any) -> None:
     """Run the meta server: broker groups and delay servers register and heartbeat here, and
     producers and consumers ask it which broker groups carry a subject."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(log_level, server=True)
     url = resolve_url(db_url, DEFAULT_META_DB_URL)
+    settings["token"] = settings["token"] or None
     try:
-        run(
-            url,
-            host=host,
-            port=port,
-            external_port=external_port,
-            token=token or None,
-            heartbeat_timeout_s=heartbeat_timeout,
-            metrics_port=metrics_port,
-        )
+        run(url, **settings)
     except sa.exc.OperationalError as exc:  # only at start: later outages are answered with UNAVAILABLE
         raise click.ClickException(f"cannot reach the meta database: {str(exc.orig or exc).strip()}") from None
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+        raise click.ClickException(f"cannot listen on {settings['host']}:{settings['port']}: {exc}") from None

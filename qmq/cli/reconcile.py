@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from qmq.cli.options import tuning
 from qmq.cli.time_options import DURATION, TIME, Parsed
 from spark_etl.settings import Settings, Threshold
 
@@ -23,6 +24,9 @@ DEFAULT_SINCE, DEFAULT_UNTIL = "yesterday", "today"
 log = logging.getLogger("qmq.reconcile")
 
 
+IGNORE_GROUP_HELP = "a retired consumer group, not expected to acknowledge anything (repeat)"
+REDRIVE_DEAD_HELP = "ask the brokers to send the dead letters of the window's dead-lettering groups back to them"
+DRIVER_MEMORY_HELP = "Spark driver memory, e.g. 4g (not under spark-submit: give it --driver-memory there)"
 THRESHOLD = Parsed("N|P%", Threshold.parse, Threshold)
 
 
@@ -72,35 +76,14 @@ THRESHOLD = Parsed("N|P%", Threshold.parse, Threshold)
     show_default=True,
     help="exit 3 when more not_acked messages than this",
 )
-@click.option(
-    "--ignore-group",
-    "ignore_groups",
-    multiple=True,
-    metavar="GROUP",
-    help="a retired consumer group, not expected to acknowledge anything (repeat)",
-)
+@click.option("--ignore-group", "ignore_groups", multiple=True, metavar="GROUP", help=IGNORE_GROUP_HELP)
 @click.option("--redrive", is_flag=True, help="put the outbox rows of not_shipped messages back to pending")
-@click.option(
-    "--redrive-dead",
-    is_flag=True,
-    help="ask the brokers to send the dead letters of the window's dead-lettering groups back to them",
-)
+@click.option("--redrive-dead", is_flag=True, help=REDRIVE_DEAD_HELP)
 @click.option("--broker", "brokers", multiple=True, metavar="H:P", help="brokers for --redrive-dead (repeat)")
 @click.option("--meta", default=None, metavar="H:P", help="meta server for --redrive-dead (instead of --broker)")
-@click.option(
-    "--jdbc-partitions",
-    type=click.IntRange(1, 64),
-    default=4,
-    show_default=True,
-    help="parallel reads (and connections) per outbox database",
-)
+@tuning("--jdbc-partitions", click.IntRange(1, 64), 4, "parallel reads (and connections) per outbox database")
 @click.option("--master", default=None, help="Spark master (default: local[*]; spark-submit's under spark-submit)")
-@click.option(
-    "--driver-memory",
-    default=None,
-    metavar="SIZE",
-    help="Spark driver memory, e.g. 4g (not under spark-submit: give it --driver-memory there)",
-)
+@click.option("--driver-memory", metavar="SIZE", help=DRIVER_MEMORY_HELP)
 @click.option(
     "-l",
     "--log-level",

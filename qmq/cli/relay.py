@@ -11,6 +11,7 @@ import sys
 import click
 
 from qmq.cli.client_options import client_options, make_client
+from qmq.cli.options import delay_servers_option, metrics_port_option, tuning
 from qmq.client import Client
 from qmq.db.url import DB_URL_ENV, normalize_url
 from qmq.metrics import serve
@@ -31,70 +32,36 @@ DAY_S = 86400.0
     help=f"an outbox database (repeat for several) [env {DB_URL_ENV}, space-separated]",
 )
 @client_options
-@click.option(
-    "--delay-server",
-    "delay_servers",
-    multiple=True,
-    metavar="HOST:PORT",
-    help="a delay server for delayed messages, without a meta server (repeat for several)",
-)
-@click.option(
-    "--batch",
-    type=click.IntRange(1, 10_000),
-    default=relay_module.BATCH_ROWS,
-    show_default=True,
-    help="rows claimed and shipped together",
-)
-@click.option(
-    "--concurrency",
-    type=click.IntRange(1, 64),
-    default=relay_module.SHIPPING_THREADS,
-    show_default=True,
-    help="shipping threads per database",
-)
-@click.option(
-    "--lease",
-    type=click.FloatRange(min=1),
-    default=relay_module.LEASE_S,
-    show_default=True,
-    help="seconds a claimed row stays this relay's",
-)
-@click.option(
+@delay_servers_option("a delay server for delayed messages, without a meta server (repeat for several)")
+@tuning("--batch", click.IntRange(1, 10_000), relay_module.BATCH_ROWS, "rows claimed and shipped together")
+@tuning("--concurrency", click.IntRange(1, 64), relay_module.SHIPPING_THREADS, "shipping threads per database")
+@tuning("--lease", click.FloatRange(min=1), relay_module.LEASE_S, "seconds a claimed row stays this relay's")
+@tuning(
     "--poll-interval",
-    type=click.FloatRange(min=0.01),
-    default=relay_module.POLL_INTERVAL_S,
-    show_default=True,
-    help="longest sleep between looks (PostgreSQL NOTIFY wakes it sooner)",
+    click.FloatRange(min=0.01),
+    relay_module.POLL_INTERVAL_S,
+    "longest sleep between looks (PostgreSQL NOTIFY wakes it sooner)",
 )
-@click.option(
+@tuning(
     "--keep-sent-days",
-    type=click.FloatRange(min=0),
-    default=relay_module.KEEP_SENT_S / DAY_S,
-    show_default=True,
-    help="the audit window: sent rows are purged after it",
+    click.FloatRange(min=0),
+    relay_module.KEEP_SENT_S / DAY_S,
+    "the audit window: sent rows are purged after it",
 )
-@click.option(
-    "--purge-batch",
-    type=click.IntRange(1),
-    default=relay_module.PURGE_BATCH_ROWS,
-    show_default=True,
-    help="rows deleted per purge transaction",
-)
-@click.option(
+@tuning("--purge-batch", click.IntRange(1), relay_module.PURGE_BATCH_ROWS, "rows deleted per purge transaction")
+@tuning(
     "--flag-after",
-    type=click.FloatRange(min=0),
-    default=relay_module.FLAG_AFTER_S,
-    show_default=True,
-    help="seconds pending after which a row is flagged and logged",
+    click.FloatRange(min=0),
+    relay_module.FLAG_AFTER_S,
+    "seconds pending after which a row is flagged and logged",
 )
-@click.option(
+@tuning(
     "--flag-attempts",
-    type=click.IntRange(1),
-    default=relay_module.FLAG_AFTER_ATTEMPTS,
-    show_default=True,
-    help="failed attempts after which a row is flagged and logged",
+    click.IntRange(1),
+    relay_module.FLAG_AFTER_ATTEMPTS,
+    "failed attempts after which a row is flagged and logged",
 )
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="serve Prometheus metrics here")
+@metrics_port_option()
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @click.option("--once", is_flag=True, help="one sweep (ship what is due, flag, purge), print a JSON report, exit")
 def relay(

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from qmq.cli.client_options import client_options, make_client
+from qmq.cli.options import delay_servers_option, tuning
 from qmq.client import ClientError, OutgoingMessage, SendResult
 from qmq.client.routes import no_route_error
 from qmq.client.sending import DEFAULT_BATCH_SIZE
@@ -23,6 +24,10 @@ from qmq.protocol.limits import validate_subject
 
 CHUNK_BATCHES = 16  # one send() call covers this many batches; ids are printed after each call
 MAX_FAILURES_SHOWN = 10  # failed messages named one by one; the rest are counted
+MAX_BATCH = 4096  # messages per send request, at most
+AT_HELP = "deliver at this time, with its zone (2026-12-24T18:00:00+01:00, or Z for UTC)"
+SIZE_HELP = "send BYTES random bytes as each body, instead of BODY"
+DELAY_HELP = "deliver after this many seconds (through a delay server)"
 
 
 @click.command("send")
@@ -33,41 +38,16 @@ MAX_FAILURES_SHOWN = 10  # failed messages named one by one; the rest are counte
 @click.option("--key", default=None, help="the message key (indexed by the broker for look-ups)")
 @click.option("--header", "headers", multiple=True, metavar="K=V", help="a header (repeat for several)")
 @click.option("--json", "as_json", is_flag=True, help="BODY is JSON: send it as application/json")
+@click.option("--delay", type=click.FloatRange(min=0), metavar="SECONDS", help=DELAY_HELP)
 @click.option(
-    "--delay",
-    type=click.FloatRange(min=0),
-    default=None,
-    metavar="SECONDS",
-    help="deliver after this many seconds (through a delay server)",
+    "--at", metavar="ISO8601", help="deliver at this time, with its zone (2026-12-24T18:00:00+01:00, or Z for UTC)"
 )
+@delay_servers_option("a delay server to use directly, instead of the meta server's (repeat for several)")
+@tuning("--count", click.IntRange(min=1), 1, "messages to send")
 @click.option(
-    "--at",
-    default=None,
-    metavar="ISO8601",
-    help="deliver at this time, with its zone (2026-12-24T18:00:00+01:00, or Z for UTC)",
+    "--size", type=click.IntRange(min=0), metavar="BYTES", help="send BYTES random bytes as each body, not BODY"
 )
-@click.option(
-    "--delay-server",
-    "delay_servers",
-    multiple=True,
-    metavar="HOST:PORT",
-    help="a delay server to use directly, instead of the meta server's (repeat for several)",
-)
-@click.option("--count", type=click.IntRange(min=1), default=1, show_default=True, help="messages to send")
-@click.option(
-    "--size",
-    type=click.IntRange(min=0),
-    default=None,
-    metavar="BYTES",
-    help="send BYTES random bytes as each body, instead of BODY",
-)
-@click.option(
-    "--batch",
-    type=click.IntRange(1, 4096),
-    default=DEFAULT_BATCH_SIZE,
-    show_default=True,
-    help="messages per broker request",
-)
+@tuning("--batch", click.IntRange(1, MAX_BATCH), DEFAULT_BATCH_SIZE, "messages per broker request")
 def send(
     subject: str,
     body: str | None,

@@ -12,8 +12,8 @@ import sys
 
 import click
 
+from qmq.cli.options import brokers_option, meta_option, metrics_port_option, token_option
 from qmq.client.routes import META_ENV
-from qmq.net.common import TOKEN_ENV
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 FROM_HELP = (
@@ -74,27 +74,10 @@ def _subjects(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
     show_default=True,
     help="messages held per free handler slot",
 )
-@click.option(
-    "--meta",
-    envvar=META_ENV,
-    default=None,
-    metavar="HOST:PORT",
-    help=f"meta server [env {META_ENV}; default: the app's]",
-)
-@click.option(
-    "--broker",
-    "brokers",
-    multiple=True,
-    metavar="HOST:PORT",
-    help="a broker to use directly, without a meta server (repeat for several)",
-)
-@click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token the servers expect [env {TOKEN_ENV}]")
-@click.option(
-    "--metrics-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="serve /metrics and /healthz on this port [default: none]",
-)
+@meta_option(f"meta server [env {META_ENV}; default: the app's]")
+@brokers_option()
+@token_option()
+@metrics_port_option("serve /metrics and /healthz on this port [default: none]")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="address for --metrics-port")
 @click.option(
     "--liveness-timeout",

@@ -13,6 +13,7 @@ from markupsafe import Markup
 
 WIDTH, HEIGHT = 640, 200
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 48, 12, 12, 28
+PLOT_WIDTH, PLOT_HEIGHT = WIDTH - MARGIN_LEFT - MARGIN_RIGHT, HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
 COLOURS = ("#1f77b4", "#ff7f0e", "#9467bd", "#d62728", "#2ca02c", "#7f7f7f")
 
 Point = tuple[float, float | None]  # (time in seconds since the epoch, value or None for a gap)
@@ -28,16 +29,21 @@ def _clock(at: float) -> str:
     return datetime.fromtimestamp(at, tz=UTC).strftime("%H:%M:%S")
 
 
-def line_chart(title: str, series: Sequence[tuple[str, Sequence[Point]]], unit: str = "") -> Markup:
-    """Lines of `series` ((name, points)) on one time axis, from 0 to the highest value."""
-    points = [(t, v) for _name, pts in series for t, v in pts if v is not None]
-    plot_w, plot_h = WIDTH - MARGIN_LEFT - MARGIN_RIGHT, HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
-    parts = [
+def _frame(title: str) -> list[str]:
+    """The opening of a chart's SVG: its size, title and the plot area."""
+    return [
         f'<svg class="chart" role="img" aria-label="{escape(title)}" viewBox="0 0 {WIDTH} {HEIGHT}" '
         f'width="{WIDTH}" height="{HEIGHT}" xmlns="http://www.w3.org/2000/svg">',
         f"<title>{escape(title)}</title>",
-        f'<rect x="{MARGIN_LEFT}" y="{MARGIN_TOP}" width="{plot_w}" height="{plot_h}" class="plot"/>',
+        f'<rect x="{MARGIN_LEFT}" y="{MARGIN_TOP}" width="{PLOT_WIDTH}" height="{PLOT_HEIGHT}" class="plot"/>',
     ]
+
+
+def line_chart(title: str, series: Sequence[tuple[str, Sequence[Point]]], unit: str = "") -> Markup:
+    """Lines of `series` ((name, points)) on one time axis, from 0 to the highest value."""
+    points = [(t, v) for _name, pts in series for t, v in pts if v is not None]
+    plot_w, plot_h = PLOT_WIDTH, PLOT_HEIGHT
+    parts = _frame(title)
     if len(points) < 2:
         parts.append(
             f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="empty">'
@@ -89,13 +95,8 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[Point]]], unit: 
 
 def bar_chart(title: str, bars: Sequence[tuple[str, float]]) -> Markup:
     """One bar per (label, value), labels under them (a delay server's hour buckets)."""
-    plot_w, plot_h = WIDTH - MARGIN_LEFT - MARGIN_RIGHT, HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
-    parts = [
-        f'<svg class="chart" role="img" aria-label="{escape(title)}" viewBox="0 0 {WIDTH} {HEIGHT}" '
-        f'width="{WIDTH}" height="{HEIGHT}" xmlns="http://www.w3.org/2000/svg">',
-        f"<title>{escape(title)}</title>",
-        f'<rect x="{MARGIN_LEFT}" y="{MARGIN_TOP}" width="{plot_w}" height="{plot_h}" class="plot"/>',
-    ]
+    plot_w, plot_h = PLOT_WIDTH, PLOT_HEIGHT
+    parts = _frame(title)
     if not bars:
         parts.append(f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="empty">nothing pending')
         parts.append("</text>")
