@@ -52,6 +52,16 @@ CRITICAL = (ROLLED_BACK,)
 OUTBOX_PRODUCER = "outbox"  # the PRODUCER_HEADER of an outbox: "outbox" or "outbox:<database>"
 NEVER = "never delivered"
 TIME_FORMAT = "yyyy-MM-dd HH:mm:ss'Z'"
+# Per-message counts of the ledger; a message the ledger never saw has 0 of each.
+COUNT_COLUMNS = (
+    "stored_copies",
+    "groups",
+    "groups_acked",
+    "groups_unacked",
+    "groups_dead",
+    "groups_redelivered",
+    "times_delivered",
+)
 
 
 @dataclass(frozen=True)
@@ -204,15 +214,7 @@ def classify(src: Sources, window: Window, group_pairs: DataFrame) -> DataFrame:
         .where(in_window)
         .join(counts, "message_id", "left")
     )
-    for name in (
-        "stored_copies",
-        "groups",
-        "groups_acked",
-        "groups_unacked",
-        "groups_dead",
-        "groups_redelivered",
-        "times_delivered",
-    ):
+    for name in COUNT_COLUMNS:
         rows = rows.withColumn(name, F.coalesce(F.col(name), F.lit(0)))
     # When a delayed message is due: as its delay server has it, or as its outbox row says once shipped.
     due = F.coalesce(F.col("d_due_at"), F.when(F.col("outbox_state") == "sent", F.col("o_deliver_at")))
@@ -260,13 +262,7 @@ def classify(src: Sources, window: Window, group_pairs: DataFrame) -> DataFrame:
         "outbox_state",
         "created_at",
         "stored_at",
-        "stored_copies",
-        "groups",
-        "groups_acked",
-        "groups_unacked",
-        "groups_dead",
-        "groups_redelivered",
-        "times_delivered",
+        *COUNT_COLUMNS,
         "attempts",
         "sent_at",
         "flagged_at",

@@ -99,6 +99,18 @@ def stats_view(answers: list[Answer]) -> dict[str, Any]:
     }
 
 
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    """What every view shows of a stored message: id, subject, key, tags, when stored, its body."""
+    return {
+        "id": m.get("id"),
+        "subject": m.get("subject"),
+        "key": m.get("key"),
+        "tags": list(m.get("tags") or ()),
+        "stored_at": iso(m.get("stored_at")),
+        **body_fields(m.get("payload")),
+    }
+
+
 def dead_view(answers: list[Answer]) -> dict[str, Any]:
     """{"messages": every dead letter listed, with its broker group, decoded body, attempts and
     reason; "errors"}."""
@@ -109,15 +121,10 @@ def dead_view(answers: list[Answer]) -> dict[str, Any]:
                 {
                     "broker_group": answer.group,
                     "seq": m.get("seq"),
-                    "id": m.get("id"),
-                    "subject": m.get("subject"),
-                    "key": m.get("key"),
-                    "tags": list(m.get("tags") or ()),
+                    **_message(m),
                     "attempts": m.get("attempt"),
                     "reason": m.get("reason"),
-                    "stored_at": iso(m.get("stored_at")),
                     "dead_at": iso(m.get("dead_at")),
-                    **body_fields(m.get("payload")),
                 }
             )
     return {"messages": rows, "errors": errors(answers)}
@@ -170,13 +177,8 @@ def lookup_view(brokers: list[Answer], delayed: list[Answer]) -> dict[str, Any]:
                 {
                     "broker_group": answer.group,
                     "broker": answer.address,
-                    "id": m.get("id"),
-                    "subject": m.get("subject"),
-                    "key": m.get("key"),
-                    "tags": list(m.get("tags") or ()),
-                    "stored_at": iso(m.get("stored_at")),
                     "seq": m.get("seq"),
-                    **body_fields(m.get("payload")),
+                    **_message(m),
                     "copies": [{**c, "at": iso(c.get("at"))} for c in m.get("copies") or ()],
                     "life": [_event(e) for e in m.get("life") or ()],
                     "groups": dict(m.get("groups") or {}),
@@ -189,14 +191,9 @@ def lookup_view(brokers: list[Answer], delayed: list[Answer]) -> dict[str, Any]:
             delays.append(
                 {
                     "delay_server": answer.address,
-                    "id": m.get("id"),
-                    "subject": m.get("subject"),
-                    "key": m.get("key"),
-                    "tags": list(m.get("tags") or ()),
-                    "stored_at": iso(m.get("stored_at")),
+                    **_message(m),
                     "deliver_at": iso(m.get("deliver_at")),
                     "state": m.get("state"),
-                    **body_fields(m.get("payload")),
                 }
             )
     return {"messages": messages, "delayed": delays, "errors": errors(brokers) + errors(delayed)}

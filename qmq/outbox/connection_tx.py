@@ -20,40 +20,21 @@ import sqlalchemy as sa
 
 from qmq.outbox import open_transactions, rows
 from qmq.outbox.flavour import Handoff, hand_over
-from qmq.outbox.notify import NOTIFY_SQL
-from qmq.outbox.shipping import Shipment
+from qmq.outbox.info_tx import NOTIFIED, PENDING, InfoTransaction
 
-_PENDING = "qmq.outbox.pending"  # connection.info: [(handoff, shipment)] of the open transaction
 _COMMITTED = "qmq.outbox.committed"  # connection.info: the same, committed, not yet handed over
-_NOTIFIED = "qmq.outbox.notified"  # connection.info: NOTIFY already queued in the open transaction
 
 
-class ConnectionTransaction:
+class ConnectionTransaction(InfoTransaction):
     """`OutboxTransaction` over a `Connection` in a transaction."""
 
     def __init__(self, handoff: Handoff, connection: sa.Connection) -> None:
         watch(connection.engine)
-        self.handoff = handoff
+        super().__init__(handoff, connection, connection.dialect.name)
         self.connection = connection
-        self.dialect = connection.dialect.name
 
     def insert(self, values: dict[str, Any], lease_token: str | None, lease_s: float) -> None:
         rows.insert_on_connection(self.connection, values, lease_token, lease_s)
-
-    def notify(self) -> None:
-        if self.dialect == "postgresql" and not self.connection.info.get(_NOTIFIED):
-            self.connection.execute(sa.text(NOTIFY_SQL))
-            self.connection.info[_NOTIFIED] = True
-
-    def after_commit(self, shipment: Shipment) -> None:
-        self.connection.info.setdefault(_PENDING, []).append((self.handoff, shipment))
-
-    def mark(self) -> int:
-        """A position in the waiting messages, to `drop_since` when a savepoint rolls back."""
-        return len(self.connection.info.get(_PENDING, ()))
-
-    def drop_since(self, mark: int) -> None:
-        del self.connection.info.get(_PENDING, [])[mark:]
 
 
 def watch(engine: sa.Engine) -> None:
@@ -74,16 +55,16 @@ def _began(connection: sa.Connection) -> None:
 
 def _committing(connection: sa.Connection) -> None:
     info = connection.info
-    info.pop(_NOTIFIED, None)
-    waiting = info.pop(_PENDING, None)
+    info.pop(NOTIFIED, None)
+    waiting = info.pop(PENDING, None)
     if waiting:
         info.setdefault(_COMMITTED, []).extend(waiting)
     open_transactions.remove(connection)
 
 
 def _rolled_back(connection: sa.Connection) -> None:
-    connection.info.pop(_PENDING, None)
-    connection.info.pop(_NOTIFIED, None)
+    connection.info.pop(PENDING, None)
+    connection.info.pop(NOTIFIED, None)
     open_transactions.remove(connection)
 
 

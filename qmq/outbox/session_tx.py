@@ -16,39 +16,19 @@ from sqlalchemy.orm import Session
 
 from qmq.outbox import rows
 from qmq.outbox.flavour import Handoff, hand_over
-from qmq.outbox.notify import NOTIFY_SQL
-from qmq.outbox.shipping import Shipment
-
-_PENDING = "qmq.outbox.pending"  # session.info key: [(handoff, shipment)] awaiting the commit
-_NOTIFIED = "qmq.outbox.notified"  # session.info key: NOTIFY already queued in this transaction
+from qmq.outbox.info_tx import NOTIFIED, PENDING, InfoTransaction
 
 
-class SessionTransaction:
+class SessionTransaction(InfoTransaction):
     """`OutboxTransaction` over a `Session` in a transaction."""
 
     def __init__(self, handoff: Handoff, session: Session) -> None:
-        self.handoff = handoff
+        super().__init__(handoff, session, session.get_bind().dialect.name)
         self.session = session
-        self.dialect = session.get_bind().dialect.name
 
     def insert(self, values: dict[str, Any], lease_token: str | None, lease_s: float) -> None:
         connection = self.session.connection()  # begins the session's transaction if need be
         rows.insert_on_connection(connection, values, lease_token, lease_s)
-
-    def notify(self) -> None:
-        if self.dialect == "postgresql" and not self.session.info.get(_NOTIFIED):
-            self.session.execute(sa.text(NOTIFY_SQL))
-            self.session.info[_NOTIFIED] = True
-
-    def after_commit(self, shipment: Shipment) -> None:
-        self.session.info.setdefault(_PENDING, []).append((self.handoff, shipment))
-
-    def mark(self) -> int:
-        """A position in the waiting messages, to `drop_since` when a savepoint rolls back."""
-        return len(self.session.info.get(_PENDING, ()))
-
-    def drop_since(self, mark: int) -> None:
-        del self.session.info.get(_PENDING, [])[mark:]
 
 
 def _after_commit(session: Session) -> None:
@@ -56,8 +36,8 @@ def _after_commit(session: Session) -> None:
         return  # a savepoint was released: the outer transaction may still roll back
     if not session.info:
         return
-    waiting = session.info.pop(_PENDING, None)
-    session.info.pop(_NOTIFIED, None)
+    waiting = session.info.pop(PENDING, None)
+    session.info.pop(NOTIFIED, None)
     if not waiting:
         return
     hand_over(waiting)
@@ -65,8 +45,8 @@ def _after_commit(session: Session) -> None:
 
 def _after_transaction_end(session: Session, transaction: Any) -> None:
     if transaction.parent is None and session.info:  # the outermost transaction ended (after a commit: gone already)
-        session.info.pop(_PENDING, None)
-        session.info.pop(_NOTIFIED, None)
+        session.info.pop(PENDING, None)
+        session.info.pop(NOTIFIED, None)
 
 
 # On every Session (and subclass) once, rather than per session: listening is costly, and these return
