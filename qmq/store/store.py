@@ -154,6 +154,9 @@ class LogStore:
                 self.message_log.end_offset,
             )
             checkpoint = None
+        if checkpoint is not None and (reason := self._checkpoint_disagrees(checkpoint)):
+            log.warning("checkpoint does not match the consume logs (%s): rebuilding derived logs", reason)
+            checkpoint = None
         rebuild = self.config.repair or (checkpoint is None and self.message_log.end_offset > start)
         if rebuild:
             checkpoint = ckpt.Checkpoint(offset=start, next_seq=self._sequences_on_disk(checkpoint))
@@ -185,6 +188,26 @@ class LogStore:
             len(report.repaired),
         )
         return report
+
+    def _checkpoint_disagrees(self, checkpoint: ckpt.Checkpoint) -> str | None:
+        """Why `checkpoint` cannot be true of the consume logs on disk, or None. Every entry before a
+        subject's `next_seq` was derived from a record before the checkpoint's offset, and none from
+        `next_seq` on was (those come from records replayed after it)."""
+        if not self._consume_dir.exists():
+            return None
+        for subject_dir in self._consume_dir.iterdir():
+            subject, next_seq = subject_dir.name, checkpoint.next_seq.get(subject_dir.name, 0)
+            consume_log = ConsumeLog(subject_dir, self.config.consume_segment_entries)
+            try:
+                last = consume_log.read(next_seq - 1, 1) if next_seq > consume_log.first_seq else []
+                after = consume_log.read(next_seq, 1)
+            finally:
+                consume_log.close()
+            if last and last[0] is not None and last[0].offset >= checkpoint.offset:
+                return f"{subject}: entry {next_seq - 1} points past the checkpoint's offset {checkpoint.offset}"
+            if after and after[0] is not None and after[0].offset < checkpoint.offset:
+                return f"{subject}: next_seq {next_seq}, but entry {next_seq} is older than offset {checkpoint.offset}"
+        return None
 
     def _sequences_on_disk(self, checkpoint: ckpt.Checkpoint | None) -> dict[str, int]:
         """A floor for each subject's next sequence when the derived logs are rebuilt, so a subject
