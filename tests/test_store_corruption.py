@@ -205,3 +205,31 @@ def test_index_entries_written_past_the_header_count_are_undone(tmp_path):
         assert [i for i in range(500) if store.find_by_id(f"early-{i}") is None] == []
         assert all(store.find_by_id(f"late-{i}") is not None for i in range(10))
         assert store.find_by_id("late-40") is None
+
+
+def test_qmq_log_repair_does_what_the_refusal_offers(tmp_path):
+    """Issue 19, case 6: the refusal names `qmq log repair`, which exists and repairs for good."""
+    written = fill(tmp_path)
+    active = segment_files(tmp_path)[-1]
+    victim, offset, size = record_in(written, active, "middle")
+    flip(active, offset - int(active.name) + size - 3)
+    with pytest.raises(CorruptStoreError, match="qmq log repair --data-dir"):
+        LogStore(tmp_path, SMALL)
+    result = subprocess.run(
+        [sys.executable, "-m", "qmq", "log", "repair", "--data-dir", str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"offset {offset}" in result.stdout and "1 damaged regions quarantined" in result.stdout
+    assert any((tmp_path / "quarantine").iterdir())
+    assert cli_verify(tmp_path).returncode == 0
+    with LogStore(tmp_path, SMALL) as store:
+        assert ids_in(store) == set(written) - {victim}
+
+
+def test_qmq_log_repair_refuses_a_store_in_use(tmp_path):
+    fill(tmp_path)
+    with LogStore(tmp_path, SMALL):
+        result = subprocess.run(
+            [sys.executable, "-m", "qmq", "log", "repair", "--data-dir", str(tmp_path)], capture_output=True, text=True
+        )
+    assert result.returncode == 1 and "in use by another process" in result.stderr

@@ -1,4 +1,5 @@
-"""`qmq log verify` and `qmq log dump`: look inside a broker's or delay server's store, read-only."""
+"""`qmq log verify` and `qmq log dump` look inside a broker's or delay server's store, read-only;
+`qmq log repair` is what a store that refuses to open asks for."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import click
 
 from delay_server import records as delay_records
 from delay_server.verify import delayed_to_json, is_delay_store, iter_scheduled, verify_delay_files
+from qmq.store.recovery import CorruptStoreError
+from qmq.store.store import LogStore, StoreConfig, StoreError
 from qmq.store.verify import iter_records, record_to_json, verify
 
 
 @click.group()
 def log() -> None:
-    """Inspect a store directory (read-only, safe on a live store)."""
+    """Inspect a store directory (verify and dump: read-only, safe on a live store) or repair it."""
 
 
 def _data_dir(path: str) -> Path:
@@ -71,3 +74,27 @@ def dump_cmd(data_dir: str, subject: str | None, schedule: bool) -> None:
             if bucket is not None:
                 item["bucket"] = bucket
             out.write(json.dumps(item) + "\n")
+
+
+@log.command("repair")
+@click.option("--data-dir", required=True, type=click.Path(exists=True, file_okay=False), help="store directory")
+def repair_cmd(data_dir: str) -> None:
+    """Open a stopped store with repair: damaged regions of the message log are moved to
+    DATA_DIR/quarantine/ (blanked in place, so offsets stay), a torn tail is cut, and the derived
+    files (consume logs, key index, checkpoint) are rebuilt from the message log. Every valid record
+    is kept. Prints what was done; then `qmq log verify` should say OK."""
+    path = _data_dir(data_dir)
+    try:
+        with LogStore(path, StoreConfig(repair=True, background=False)) as store:
+            report = store.recovery
+            start, end = store.start_offset, store.end_offset
+    except (StoreError, CorruptStoreError, OSError) as exc:
+        raise click.ClickException(f"cannot repair {data_dir}: {exc}") from None
+    for note in report.repaired:
+        click.echo(f"quarantined: {note}")
+    if report.truncated_bytes:
+        click.echo(f"torn tail cut: {report.truncated_bytes} bytes (kept in {path / 'quarantine'})")
+    click.echo(
+        f"message log {start}..{end}: {len(report.repaired)} damaged regions quarantined, "
+        f"{report.truncated_bytes} torn bytes cut; consume logs, index and checkpoint rebuilt"
+    )

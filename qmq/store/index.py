@@ -38,8 +38,8 @@ class IndexFile:
         if self.mm is None or HEADER.unpack_from(self.mm, 0)[0] != FILE_MAGIC:
             self.close()
             raise ValueError(
-                f"{path}: not a key-index file; open the store with repair to rebuild the "
-                f"derived logs from the message log"
+                f"{path}: not a key-index file; `qmq log repair --data-dir DIR` (server stopped) rebuilds "
+                f"the derived files from the message log"
             )
         _magic, self.slots, self.capacity, self.count, self.last_offset = HEADER.unpack_from(self.mm, 0)
         self.entries_at = HEADER_SIZE + self.slots * SLOT.size

@@ -32,8 +32,9 @@ class CorruptStoreError(Exception):
         super().__init__(
             "the message log is corrupt:\n  "
             + "\n  ".join(problems)
-            + "\nno record was changed; run with repair to quarantine the damaged regions "
-            "(`qmq broker --repair` / LogStore(..., repair=True)), keeping every valid record"
+            + "\nno record was changed; with the server stopped, `qmq log repair --data-dir DIR` moves the "
+            "damaged regions to DIR/quarantine/ and rebuilds the derived files, keeping every valid record "
+            "(LogStore(..., StoreConfig(repair=True)) from Python)"
         )
         self.problems = problems
 
