@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import click
 
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
+from qmq.cli.time_options import DURATION
 from qmq.net.common import TOKEN_ENV
+from qmq.store.followers import MAX_LAG_S
 from qmq.store.store import StoreError
 
 # Shared with `qmq delay-server`.
@@ -51,6 +54,20 @@ ADVERTISE_EXTERNAL = click.option(
     show_default=True,
     help="attempts before a message is dead-lettered, unless the consumer says otherwise",
 )
+@click.option(
+    "--ack-replicas",
+    type=click.IntRange(0),
+    default=None,
+    help="replicas that must hold a send durably before it is acknowledged [default: 1 when the group has a "
+    "replica, else 0]; fewer in sync: the group answers sends READ_ONLY",
+)
+@click.option(
+    "--max-lag",
+    type=DURATION,
+    default=f"{MAX_LAG_S:g}s",
+    show_default=True,
+    help="a replica that has not caught up with the master for this long is out of sync (e.g. 5s, 500ms)",
+)
 @click.option("-l", "--log-level", default="INFO", show_default=True, help="DEBUG, INFO, WARNING or ERROR")
 def broker(
     data_dir: str,
@@ -65,6 +82,8 @@ def broker(
     metrics_port: int | None,
     consumer_timeout: float,
     max_attempts: int,
+    ack_replicas: int | None,
+    max_lag: timedelta,
     log_level: str,
 ) -> None:
     """Run a broker: stores messages and serves them to consumer groups."""
@@ -83,6 +102,8 @@ def broker(
             metrics_port=metrics_port,
             consumer_timeout_s=consumer_timeout,
             max_attempts=max_attempts,
+            ack_replicas=ack_replicas,
+            max_lag_s=max_lag.total_seconds(),
         )
     except StoreError as exc:
         raise click.ClickException(f"cannot open the store in {data_dir}: {exc}") from None

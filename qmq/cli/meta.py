@@ -8,6 +8,7 @@ import click
 import sqlalchemy as sa
 
 from qmq.db.url import DB_URL_ENV, DEFAULT_META_DB_URL, resolve_url
+from qmq.meta.election import FAILOVER_AFTER_S
 from qmq.meta.registry import UNAVAILABLE_AFTER_S
 from qmq.meta.server import DEFAULT_HOST, DEFAULT_PORT, run
 from qmq.net.common import TOKEN_ENV
@@ -39,6 +40,13 @@ from qmq.net.common import TOKEN_ENV
     show_default=True,
     help="seconds without a heartbeat after which a server is unavailable",
 )
+@click.option(
+    "--failover-after",
+    type=click.FloatRange(min=0, min_open=True),
+    default=FAILOVER_AFTER_S,
+    show_default=True,
+    help="seconds without a heartbeat from a replicated group's master before an in-sync replica replaces it",
+)
 @click.option("-l", "--log-level", default="INFO", show_default=True, help="DEBUG, INFO, WARNING or ERROR")
 def meta(
     host: str,
@@ -48,6 +56,7 @@ def meta(
     token: str | None,
     metrics_port: int | None,
     heartbeat_timeout: float,
+    failover_after: float,
     log_level: str,
 ) -> None:
     """Run the meta server: broker groups and delay servers register and heartbeat here, and
@@ -62,6 +71,7 @@ def meta(
             external_port=external_port,
             token=token or None,
             heartbeat_timeout_s=heartbeat_timeout,
+            failover_after_s=failover_after,
             metrics_port=metrics_port,
         )
     except sa.exc.OperationalError as exc:  # only at start: later outages are answered with UNAVAILABLE
