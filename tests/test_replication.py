@@ -17,6 +17,7 @@ from tests.support.broker import restart_broker
 from tests.support.databases import fresh_database
 from tests.support.replication import (
     HOST,
+    meta_in_sync,
     replication,
     start_member,
     start_meta,
@@ -43,6 +44,7 @@ def start_group(processes, tmp_path, meta):
     b = start_member(processes, tmp_path / "b", meta, "g1", name="b")
     wait_role(b, "replica")
     wait_in_sync(a, b)
+    meta_in_sync(meta, "g1", b)
     return a, b
 
 
@@ -50,8 +52,10 @@ class Producer(threading.Thread):
     """Sends `count` messages in batches; a batch's failed messages are sent again (same ids) until
     every one is acknowledged. `acked` holds the ids a broker acknowledged, in order."""
 
-    def __init__(self, meta: str, count: int) -> None:
+    def __init__(self, meta: str, count: int, kill_at: int | None = None, kill=None) -> None:
         super().__init__(daemon=True)
+        self.kill_at, self.kill = kill_at, kill
+        self.acked_at_kill: set[str] | None = None
         self.client = Client(meta=meta)
         self.count = count
         self.acked: list[str] = []
@@ -67,6 +71,9 @@ class Producer(threading.Thread):
                 while batch:
                     results = self.client.send(batch)
                     self.acked.extend(r.message_id for r in results if r.ok)
+                    if self.kill_at is not None and self.acked_at_kill is None and len(self.acked) >= self.kill_at:
+                        self.kill()  # right after an acknowledgement: the replica must have it already
+                        self.acked_at_kill = set(self.acked)
                     self.failures.extend(r.error_code for r in results if not r.ok)
                     failed = {r.message_id for r in results if not r.ok}
                     batch = [m for m in batch if m.id in failed]
@@ -97,14 +104,13 @@ def consume(meta: str, want: set[str], *, until: int | None = None, timeout: flo
 
 def test_master_lost_with_its_disk_replica_takes_over_nothing_acknowledged_is_lost(processes, tmp_path, meta) -> None:
     a, b = start_group(processes, tmp_path, meta)
-    producer = Producer(meta, MESSAGES)
-    producer.start()
-    wait_for(lambda: len(producer.acked) >= MESSAGES // 4, "a quarter acknowledged")
-    first = consume(meta, set(), until=MESSAGES // 8)  # a consumer group half-way through
     kill_at = random.randint(MESSAGES // 4, MESSAGES // 2)
-    wait_for(lambda: len(producer.acked) >= kill_at, f"{kill_at} acknowledged")
-    processes.kill(a.proc, signal.SIGKILL)
-    acked_at_crash = set(producer.acked)
+    producer = Producer(meta, MESSAGES, kill_at, lambda: processes.kill(a.proc, signal.SIGKILL))
+    producer.start()
+    wait_for(lambda: len(producer.acked) >= MESSAGES // 5, "a fifth acknowledged")
+    first = consume(meta, set(), until=MESSAGES // 10)  # a consumer group half-way through
+    wait_for(lambda: producer.acked_at_kill is not None, f"the master killed after {kill_at} acknowledged")
+    acked_at_crash = producer.acked_at_kill
     shutil.rmtree(a.data_dir)  # the machine is lost, disk and all
 
     promoted = wait_role(b, "master", epoch=2)

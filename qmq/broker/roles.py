@@ -105,6 +105,7 @@ class Roles:
         self._redo = False  # the fetcher asked to rejoin (truncation) even if the wish is the same
         self._transition: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
+        self._reported_in_sync: set[str] = set()  # as the meta server last heard it
 
     # ---- the process's view --------------------------------------------------------------------
 
@@ -132,6 +133,7 @@ class Roles:
         }
         if self.role is Role.MASTER and self.followers is not None:
             body["in_sync"] = self.followers.in_sync()
+            self._reported_in_sync = set(body["in_sync"])
         return body
 
     def on_meta_reply(self, reply: dict[str, Any]) -> None:
@@ -397,6 +399,9 @@ class Roles:
                     self.followers.check()
                     self._update_read_only()
                     metrics.set_replicas(self.followers.stats())
+                    # The meta server promotes only replicas it heard were in sync: tell it at once.
+                    if self.membership is not None and set(self.followers.in_sync()) != self._reported_in_sync:
+                        self.membership.poke()
             except Exception:
                 log.exception("replication check failed")
 

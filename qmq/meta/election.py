@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -174,6 +175,20 @@ class Election:
             if row is None:
                 return None
             return self._promote(conn, now, row, "manual switch", only=to)
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Every replicated group: epoch, master and the replicas last reported in sync (META_LIST)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(schema.replication).order_by(schema.replication.c.group_name)).all()
+        return [
+            {
+                "group": r.group_name,
+                "epoch": r.epoch,
+                "master": r.master,
+                "in_sync": list(filter(None, r.in_sync.split(","))),
+            }
+            for r in rows
+        ]
 
     def assignment(self, group: str) -> Assignment | None:
         with self.engine.connect() as conn:

@@ -168,7 +168,9 @@ class MetaService(Service):
         return {"group": group, "read_only": read_only, "changed": changed}
 
     async def _list(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._db(self.registry.snapshot)
+        snapshot = await self._db(self.registry.snapshot)
+        snapshot["replication"] = await self._db(self.election.listing)
+        return snapshot
 
     # -- database access ------------------------------------------------------------------------
 

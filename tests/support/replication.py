@@ -78,6 +78,18 @@ def wait_role(broker: Broker, role: str, timeout: float = 60.0, epoch: int | Non
     return wait_for(check, f"{broker.address} to be {role}", timeout)
 
 
+def meta_in_sync(meta: str, group: str, replica: Broker, timeout: float = 30.0) -> None:
+    """Wait until the meta server heard from the master that `replica` is in sync (so it may promote it)."""
+    host, port = meta.rsplit(":", 1)
+
+    def check():
+        with BlockingConnection.open(host, int(port), client_id="repl-test", token="") as conn:
+            listing = conn.request(RequestCode.META_LIST, {})["replication"]
+        return any(g["group"] == group and replica.address in g["in_sync"] for g in listing)
+
+    wait_for(check, f"the meta server to know {replica.address} is in sync", timeout)
+
+
 def wait_in_sync(master: Broker, replica: Broker, timeout: float = 60.0) -> dict[str, Any]:
     def check():
         stats = replication(master)
