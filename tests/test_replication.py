@@ -3,17 +3,20 @@ a master and a replica under one meta server on PostgreSQL, `--ack-replicas 1`, 
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from qmq.client import Client, OutgoingMessage
-from qmq.protocol.errors import ErrorCode
-from tests.support.broker import restart_broker
+from qmq.protocol.errors import ErrorCode, RemoteError
+from tests.support.broker import restart_broker, send
 from tests.support.databases import fresh_database
 from tests.support.replication import (
     HOST,
@@ -164,3 +167,40 @@ def test_replica_lost_group_turns_read_only_consumers_go_on_and_it_catches_up(pr
         assert all(r.ok for r in again)
     stats_a, stats_b = replication(a), replication(b)
     assert stats_b["log_end"] <= stats_a["log_end"]
+
+
+def log_bytes(data_dir) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted((data_dir / "messagelog").iterdir()))
+
+
+def test_a_frozen_master_is_deposed_acknowledges_nothing_more_and_rejoins_as_replica(processes, tmp_path, meta) -> None:
+    a, b = start_group(processes, tmp_path, meta)
+    producer = Producer(meta, 2_000)
+    producer.start()
+    wait_for(lambda: len(producer.acked) >= 300, "300 acknowledged")
+    with a.connect() as to_a:
+        os.killpg(a.proc.pid, signal.SIGSTOP)
+        wait_role(b, "master", epoch=2)
+        os.killpg(a.proc.pid, signal.SIGCONT)
+        with pytest.raises(RemoteError) as refused:  # its first request after waking up
+            send(to_a, SUBJECT, ["after-wake"])
+        assert refused.value.code in (ErrorCode.READ_ONLY, ErrorCode.NOT_MASTER, ErrorCode.UNAVAILABLE)
+    wait_role(a, "replica", epoch=2)
+    producer.join(timeout=120)
+    assert producer.error is None and len(set(producer.acked)) == 2_000
+    wait_in_sync(b, a)
+    assert set(consume(meta, set(producer.acked))) >= set(producer.acked)
+    wait_for(lambda: (replication(a) or {}).get("log_end") == (replication(b) or {}).get("log_end"), "a caught up")
+    for broker in (a, b):
+        processes.kill(broker.proc, signal.SIGTERM)
+    for broker in (a, b):
+        verified = subprocess.run(
+            [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(broker.data_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+    log_a, log_b = log_bytes(a.data_dir), log_bytes(b.data_dir)
+    shared = min(len(log_a), len(log_b))
+    assert shared > 0 and log_a[:shared] == log_b[:shared]
