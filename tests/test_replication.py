@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import sqlalchemy as sa
 
 from qmq.client import Client, OutgoingMessage
 from qmq.protocol.errors import ErrorCode, RemoteError
@@ -204,3 +205,34 @@ def test_a_frozen_master_is_deposed_acknowledges_nothing_more_and_rejoins_as_rep
     log_a, log_b = log_bytes(a.data_dir), log_bytes(b.data_dir)
     shared = min(len(log_a), len(log_b))
     assert shared > 0 and log_a[:shared] == log_b[:shared]
+
+
+def test_two_meta_servers_the_deciding_one_killed_during_a_failover_the_other_finishes_it(
+    processes, tmp_path, pg_url
+) -> None:
+    with fresh_database(pg_url) as url:
+        metas = [start_meta(processes, url, name=f"meta{i}") for i in (1, 2)]
+        meta = ",".join(f"{HOST}:{port}" for _, port in metas)  # every server and client gets both
+        a, b = start_group(processes, tmp_path, meta)
+        engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://"))
+        try:
+
+            def holder_pid() -> int | None:
+                with engine.connect() as conn:
+                    holder = conn.execute(sa.text("SELECT holder FROM qmq_meta_lease WHERE name = 'failover'")).scalar()
+                return int(holder.split(":")[1]) if holder else None
+
+            decider_pid = wait_for(holder_pid, "a meta server to hold the failover lease")
+            decider = next(proc for proc, _ in metas if proc.pid == decider_pid)
+            processes.kill(a.proc, signal.SIGKILL)
+            processes.kill(decider, signal.SIGKILL)  # before it could decide (failover after 2 s)
+            promoted = wait_role(b, "master", epoch=2)
+            assert promoted["master"] == b.address
+            assert holder_pid() != decider_pid
+        finally:
+            engine.dispose()
+        a = restart_broker(processes, a, name="a-back")  # its disk survived: it rejoins as replica
+        wait_role(a, "replica", epoch=2)
+        wait_in_sync(b, a)
+        with Client(meta=meta) as client:
+            assert all(r.ok for r in client.send([OutgoingMessage(SUBJECT, f"after-{i}") for i in range(20)]))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qmq.client.errors import ClientError, MetaUnreachable
+from qmq.client.routes import meta_call
 from qmq.client.steps import Call, Calls, Steps
 from qmq.protocol.codes import RequestCode
 
@@ -128,7 +129,7 @@ class AdminCore:
         `MetaUnreachable` when the meta server cannot answer."""
         if self.meta is None:
             return static_cluster(self.brokers, self.delay_servers)
-        reply = yield Call(self.meta, RequestCode.META_LIST, {}, ADMIN_TIMEOUT_S)
+        reply = yield from meta_call(self.meta, RequestCode.META_LIST, {}, ADMIN_TIMEOUT_S)
         if isinstance(reply, BaseException):
             raise MetaUnreachable(f"cannot ask the meta server at {self.meta}: {describe_error(reply)}")
         cluster = parse_cluster(self.meta, reply)

@@ -80,7 +80,7 @@ def wait_role(broker: Broker, role: str, timeout: float = 60.0, epoch: int | Non
 
 def meta_in_sync(meta: str, group: str, replica: Broker, timeout: float = 30.0) -> None:
     """Wait until the meta server heard from the master that `replica` is in sync (so it may promote it)."""
-    host, port = meta.rsplit(":", 1)
+    host, port = meta.split(",")[0].rsplit(":", 1)  # the database is shared: any of them knows
 
     def check():
         with BlockingConnection.open(host, int(port), client_id="repl-test", token="") as conn:
