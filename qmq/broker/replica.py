@@ -25,7 +25,8 @@ log = logging.getLogger("qmq.replica")
 
 FETCH_WAIT_MS = 500  # a fetch waits this long for new records before answering empty
 RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # between failed fetches, the last repeated
-REPLY_GRACE_S = 10.0  # a fetch's reply may come this long after its wait
+REPLY_GRACE_S = 10.0
+INLINE_APPEND_BYTES = 256 * 1024  # smaller chunks are written on the event loop  # a fetch's reply may come this long after its wait
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -57,6 +58,7 @@ class Fetcher:
         save_epochs: Callable[[ep.Epochs], None],
         token: str | None = None,
         on_trouble: Callable[[RemoteError], None] = lambda exc: None,
+        on_unreachable: Callable[[], None] = lambda: None,
         wait_ms: int = FETCH_WAIT_MS,
     ) -> None:
         self.store = store
@@ -68,6 +70,7 @@ class Fetcher:
         self.save_epochs = save_epochs
         self.token = token
         self.on_trouble = on_trouble
+        self.on_unreachable = on_unreachable
         self.wait_ms = wait_ms
         self.master_end = 0  # the master's log end in its last reply
         self.fetches = 0
@@ -104,6 +107,7 @@ class Fetcher:
                 if failures == 0:
                     log.warning("cannot fetch from master %s: %s", self.master, exc)
                 await self._drop_connection()
+                self.on_unreachable()  # the meta server may have promoted someone: ask it now
             except ChunkError as exc:
                 log.error("master %s sent a chunk that fails its checks, fetching it again: %s", self.master, exc)
             failures += 1
@@ -133,7 +137,10 @@ class Fetcher:
         data = reply.get("data") or b""
         self.master_end = int(reply.get("end", 0))
         if data:
-            end = await asyncio.to_thread(self.store.append_replicated, bytes(data), offset)
+            if len(data) <= INLINE_APPEND_BYTES:  # a few writes: cheaper than a thread hop
+                end = self.store.append_replicated(bytes(data), offset)
+            else:
+                end = await asyncio.to_thread(self.store.append_replicated, bytes(data), offset)
             await self.store.flushed(end)  # durable before the next fetch reports it
         masters = [(int(e), int(s)) for e, s in reply.get("epochs") or ()]
         merged = ep.merged(self.epochs, masters, self.store.end_offset)

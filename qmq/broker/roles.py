@@ -49,6 +49,7 @@ log = logging.getLogger("qmq.broker")
 TICK_S = 0.1  # how often a master looks at its replicas' lag and its own fencing
 DEFAULT_FAILOVER_AFTER_S = 10.0  # until the meta server says otherwise
 EPOCH_END_RETRY_S = 0.5
+UNREACHABLE_HEARTBEAT_S = 0.25  # a replica that cannot reach its master heartbeats this often
 
 
 class Role(StrEnum):
@@ -106,6 +107,7 @@ class Roles:
         self._transition: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._reported_in_sync: set[str] = set()  # as the meta server last heard it
+        self._last_unreachable_poke = 0.0
 
     # ---- the process's view --------------------------------------------------------------------
 
@@ -285,6 +287,7 @@ class Roles:
             save_epochs=self._save_epochs,
             token=self.token,
             on_trouble=self._fetch_trouble,
+            on_unreachable=self._master_unreachable,
         )
         self.fetcher.start()
         self.role = Role.REPLICA
@@ -359,6 +362,14 @@ class Roles:
             if self._wish is not None:
                 self._want(self._wish)
         if self.membership is not None:
+            self.membership.poke()
+
+    def _master_unreachable(self) -> None:
+        """Heartbeat at most every UNREACHABLE_HEARTBEAT_S while the master cannot be reached, so a
+        promotion is learnt within that, not at the next regular heartbeat."""
+        now = time.monotonic()
+        if self.membership is not None and now - self._last_unreachable_poke >= UNREACHABLE_HEARTBEAT_S:
+            self._last_unreachable_poke = now
             self.membership.poke()
 
     def _fenced(self) -> bool:

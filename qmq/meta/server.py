@@ -42,6 +42,7 @@ log = logging.getLogger("qmq.meta")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 20880
 MAX_SWEEP_INTERVAL_S = 1.0
+FAILOVER_SWEEP_S = 0.25  # silent masters are looked for this often (a read, and the lease renewal)
 HEARTBEATS_PER_FAILOVER = 4  # replicating servers heartbeat this often within --failover-after
 ROLES = ("master", "replica", "pending")  # the liveness sweep runs at least this often (more often for short timeouts)
 
@@ -298,7 +299,7 @@ async def serve_meta(
         heartbeat_timeout_s,
     )
     sweeper = asyncio.create_task(service.sweep_forever(min(MAX_SWEEP_INTERVAL_S, heartbeat_timeout_s / 4)))
-    failovers = asyncio.create_task(service.failover_forever(min(MAX_SWEEP_INTERVAL_S, failover_after_s / 8)))
+    failovers = asyncio.create_task(service.failover_forever(min(FAILOVER_SWEEP_S, failover_after_s / 8)))
     try:
         await stop.wait()
         log.info("shutting down")
