@@ -112,13 +112,16 @@ class Cluster:
         while not ((await self.stats(port)) or {}).get("writable"):
             await asyncio.sleep(0.05)
 
-    def stop(self) -> None:
+    def stop(self, keep: bool = False) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
         for proc in self.procs.values():
             proc.wait(30)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if keep:
+            print(f"# kept {self.dir} (logs of every process)", file=sys.stderr)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 async def send_latency(port: int, rate: int, seconds: float, size: int) -> dict:
@@ -221,8 +224,10 @@ def main() -> None:
                             f"latency  {name:<30} 1,000 msg/s for 10 s, send to ack: "
                             f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms"
                         )
-                finally:
-                    cluster.stop()
+                except BaseException:
+                    cluster.stop(keep=True)
+                    raise
+                cluster.stop()
         else:
             cluster = Cluster(True, members=3, failover_after=args.failover_after)
             try:

@@ -25,8 +25,8 @@ log = logging.getLogger("qmq.replica")
 
 FETCH_WAIT_MS = 500  # a fetch waits this long for new records before answering empty
 RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # between failed fetches, the last repeated
-REPLY_GRACE_S = 10.0
-INLINE_APPEND_BYTES = 256 * 1024  # smaller chunks are written on the event loop  # a fetch's reply may come this long after its wait
+REPLY_GRACE_S = 10.0  # a fetch's reply may come this long after its wait
+INLINE_APPEND_BYTES = 256 * 1024  # smaller chunks are written on the event loop
 
 
 def split_address(address: str) -> tuple[str, int]:

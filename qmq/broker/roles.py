@@ -192,10 +192,11 @@ class Roles:
             "log_end": self.store.end_offset,
             "durable": self.store.durable_offset,
         }
-        if self.followers is not None:
+        if self.followers is not None and self.service is not None:
+            self._update_read_only()  # what the stats say is what a send meets now
             stats["ack_replicas"] = self.followers.ack_replicas
             stats["replicas"] = self.followers.stats()
-            stats["writable"] = self.followers.writable
+            stats["writable"] = not self.service.core.read_only
         if self.fetcher is not None:
             stats["master_end"] = self.fetcher.master_end
             stats["lag_bytes"] = max(0, self.fetcher.master_end - self.store.end_offset)

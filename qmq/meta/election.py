@@ -252,6 +252,15 @@ class Election:
     def _take_lease(self, conn: Connection, now: datetime) -> bool:
         """Hold (or renew) the failover lease: true when this meta server may decide now."""
         lease = schema.lease
+        held = conn.execute(sa.select(lease.c.holder, lease.c.expires_at).where(lease.c.name == LEASE_NAME)).first()
+        renewed_lately = (
+            held is not None
+            and held.holder == self.holder
+            and held.expires_at is not None
+            and as_utc(held.expires_at) - now > self.lease_for / 2
+        )
+        if renewed_lately:
+            return True  # no write on every sweep
         result = conn.execute(
             lease.update()
             .where(

@@ -28,7 +28,6 @@ from typing import Any
 from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.protocol.fields import bad, field
 from qmq.store import epochs as ep
-from qmq.store.flush import FlushMode
 from qmq.store.store import LogStore
 
 MAX_LAG_S = 5.0  # a replica that has not caught up for this long is out of sync
@@ -208,9 +207,11 @@ class Followers:
             except TimeoutError:
                 pass
         self._check_epoch(epoch)
+        # Shipped before this master's own fsync, so both disks sync at once (as Kafka does). A
+        # replica may then hold records this master loses in a crash; they were never acknowledged
+        # (that needs this master durable too), and the replica cuts them when it fetches again
+        # (its offset past the master's end: REPL_EPOCH_END), or keeps them if promoted.
         limit = self.store.end_offset
-        if offset < limit and self.store.config.flush is FlushMode.SYNC:
-            await self.store.flushed(limit)  # ship only what survives a crash of this master
         data = self.store.read_chunk(offset, max_bytes, limit)
         state.end_at_reply = limit
         return {"epoch": self.epoch, "data": data, "end": limit, "epochs": [list(e) for e in self.epochs]}
