@@ -56,7 +56,6 @@ class Cluster:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-repl-"))
         self.procs: dict[int, subprocess.Popen] = {}
         self.meta: str | None = None
-        self.ports: list[int] = []
         self.failover_after = failover_after
         if replicated:
             port = free_port()
@@ -67,14 +66,20 @@ class Cluster:
                     *("--failover-after", str(failover_after), "-l", "WARNING"),
                 ],
             )
+            self.procs[port] = proc  # stopped with the brokers
             wait_port(port, proc)
             self.meta = f"{HOST}:{port}"
-        for i in range(members if replicated else 1):
-            self.add_broker(i)
+        self.ports: list[int] = []
+        try:
+            for i in range(members if replicated else 1):
+                self.add_broker(i)
+                if replicated:
+                    asyncio.run(self.wait_role(self.ports[-1], "master" if i == 0 else "replica"))
             if replicated:
-                asyncio.run(self.wait_role(self.ports[-1], "master" if i == 0 else "replica"))
-        if replicated:
-            asyncio.run(self.wait_writable(self.ports[0]))
+                asyncio.run(self.wait_writable(self.ports[0]))
+        except BaseException:
+            self.stop(keep=True)
+            raise
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - the child's
@@ -117,7 +122,11 @@ class Cluster:
             if proc.poll() is None:
                 proc.terminate()
         for proc in self.procs.values():
-            proc.wait(30)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
         if keep:
             print(f"# kept {self.dir} (logs of every process)", file=sys.stderr)
         else:

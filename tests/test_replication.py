@@ -3,6 +3,7 @@ a master and a replica under one meta server on PostgreSQL, `--ack-replicas 1`, 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -236,3 +237,25 @@ def test_two_meta_servers_the_deciding_one_killed_during_a_failover_the_other_fi
         wait_in_sync(b, a)
         with Client(meta=meta) as client:
             assert all(r.ok for r in client.send([OutgoingMessage(SUBJECT, f"after-{i}") for i in range(20)]))
+
+
+def test_admin_failover_switches_the_master_by_hand_while_a_producer_runs(processes, tmp_path, meta) -> None:
+    a, b = start_group(processes, tmp_path, meta)
+    producer = Producer(meta, 1_500)
+    producer.start()
+    wait_for(lambda: len(producer.acked) >= 200, "200 acknowledged")
+    done = subprocess.run(
+        [sys.executable, "-m", "qmq", "admin", "failover", "--group", "g1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "QMQ_META": meta, "QMQ_TOKEN": ""},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    switched = json.loads(done.stdout)
+    assert (switched["old_master"], switched["master"], switched["epoch"]) == (a.address, b.address, 2)
+    assert replication(b)["role"] == "master"
+    wait_role(a, "replica", epoch=2)
+    producer.join(timeout=120)
+    assert producer.error is None and len(set(producer.acked)) == 1_500
+    assert set(consume(meta, set(producer.acked))) >= set(producer.acked)

@@ -49,7 +49,10 @@ log = logging.getLogger("qmq.broker")
 TICK_S = 0.1  # how often a master looks at its replicas' lag and its own fencing
 DEFAULT_FAILOVER_AFTER_S = 10.0  # until the meta server says otherwise
 EPOCH_END_RETRY_S = 0.5
-UNREACHABLE_HEARTBEAT_S = 0.25  # a replica that cannot reach its master heartbeats this often
+UNREACHABLE_HEARTBEAT_S = 0.25
+HANDOFF_TIMEOUT_S = 60.0  # a manual failover waits at most this long for a replica to catch up
+HANDOFF_HOLD_S = 10.0  # then sends stay refused this long, while the meta server switches
+HANDOFF_POLL_S = 0.02  # a replica that cannot reach its master heartbeats this often
 
 
 class Role(StrEnum):
@@ -108,6 +111,7 @@ class Roles:
         self._ticker: asyncio.Task[None] | None = None
         self._reported_in_sync: set[str] = set()  # as the meta server last heard it
         self._last_unreachable_poke = 0.0
+        self._handing_off_until = 0.0  # a manual failover stops sends until then (monotonic)
 
     # ---- the process's view --------------------------------------------------------------------
 
@@ -169,6 +173,8 @@ class Roles:
             return await followers.fetch(_body(request))
         if code == RequestCode.REPL_EPOCH_END and followers is not None:
             return await followers.epoch_end(_body(request))
+        if code == RequestCode.REPL_HANDOFF and followers is not None:
+            return await self._handoff(followers, _body(request))
         reply = await service.handle(request, peer)
         if code == RequestCode.BROKER_STATS and reply is not None:
             reply["replication"] = self.replication_stats()
@@ -387,14 +393,53 @@ class Roles:
         except NotEnoughReplicas as exc:
             raise RemoteError(ErrorCode.READ_ONLY, f"broker group {self.group} cannot replicate now: {exc}") from None
 
+    async def _handoff(self, followers: Followers, body: dict[str, Any]) -> dict[str, Any]:
+        """REPL_HANDOFF (`qmq admin failover`): stop taking sends, wait until a replica (`to`, or the
+        in-sync one furthest along) holds the whole log, and name it. Sends stay refused for
+        HANDOFF_HOLD_S, time for the meta server to switch (this master then steps down)."""
+        to = body.get("to")
+        if to is not None and not isinstance(to, str):
+            raise RemoteError(ErrorCode.BAD_REQUEST, "field 'to' must be a replica's address")
+        timeout_s = min(float(body.get("timeout_ms", HANDOFF_TIMEOUT_S * 1000)), HANDOFF_TIMEOUT_S * 1000) / 1000
+        self._handing_off_until = time.monotonic() + timeout_s + HANDOFF_HOLD_S
+        self._update_read_only()
+        end = self.store.end_offset  # sends are refused from here on: this is the log to hand over
+        deadline = time.monotonic() + timeout_s
+        while True:
+            in_sync = set(followers.in_sync())
+            ready = [
+                r
+                for r in followers.replicas.values()
+                if r.offset >= end and (r.address == to if to else r.address in in_sync)
+            ]
+            if ready:
+                chosen = max(ready, key=lambda r: r.offset).address
+                log.warning("broker group %s: handing off to %s at log end %d", self.group, chosen, end)
+                return {"replica": chosen, "end": end, "epoch": self.epoch}
+            if time.monotonic() >= deadline:
+                self._handing_off_until = 0.0
+                self._update_read_only()
+                who = to or "an in-sync replica"
+                raise RemoteError(ErrorCode.TIMEOUT, f"{who} did not catch up with log end {end} in {timeout_s:g} s")
+            await asyncio.sleep(HANDOFF_POLL_S)  # replicas fetch every few ms while sends are stopped
+
     def _update_read_only(self) -> None:
         if self.service is None:
             return
         core = self.service.core
         lagging = self.followers is not None and not self.followers.writable
-        read_only = self.meta_read_only or lagging
+        handing_off = time.monotonic() < self._handing_off_until
+        read_only = self.meta_read_only or lagging or handing_off
         if read_only != core.read_only:
-            why = "set by the meta server" if self.meta_read_only else "too few replicas in sync" if lagging else ""
+            why = (
+                "set by the meta server"
+                if self.meta_read_only
+                else "too few replicas in sync"
+                if lagging
+                else "handing off to a replica"
+                if handing_off
+                else ""
+            )
             log.warning(
                 "broker group %s is now %s%s",
                 self.group,

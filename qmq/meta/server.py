@@ -95,6 +95,7 @@ class MetaService(Service):
             RequestCode.META_ROUTE: self._route,
             RequestCode.META_SET_READ_ONLY: self._set_read_only,
             RequestCode.META_LIST: self._list,
+            RequestCode.REPL_SWITCH: self._switch,
         }
 
     # -- requests -------------------------------------------------------------------------------
@@ -167,6 +168,16 @@ class MetaService(Service):
         if changed:
             log.info("group %s is now %s", group, "read-only" if read_only else "writable")
         return {"group": group, "read_only": read_only, "changed": changed}
+
+    async def _switch(self, body: dict[str, Any]) -> dict[str, Any]:
+        """REPL_SWITCH (`qmq admin failover`): make `to` (an in-sync replica) master, next epoch."""
+        group = validate_group(field(body, "group", str))
+        to = _address(body["to"]) if body.get("to") is not None else None
+        switched = await self._db(self.election.switch, group, to)
+        if switched is None:
+            raise bad(f"group {group!r}: no live in-sync replica{f' {to}' if to else ''} to switch to")
+        log.warning("group %s: manual switch to %s, epoch %d", group, switched.master, switched.epoch)
+        return {"group": group, "epoch": switched.epoch, "master": switched.master}
 
     async def _list(self, body: dict[str, Any]) -> dict[str, Any]:
         snapshot = await self._db(self.registry.snapshot)
