@@ -31,7 +31,8 @@ from tests.support.replication import (
     wait_role,
 )
 
-MESSAGES = 5_000  # bench/replication.py and the `soak` marker send 50,000
+# The full size is 50,000: QMQ_REPL_MESSAGES=50000 .venv/bin/python -m pytest tests/test_replication.py
+MESSAGES = int(os.environ.get("QMQ_REPL_MESSAGES", "5000"))
 BATCH = 50
 SUBJECT = "repl.orders"
 
