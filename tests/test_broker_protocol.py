@@ -292,7 +292,16 @@ def test_registers_in_its_group_follows_the_read_only_flag_and_unregisters_at_si
         server = wait_until(listed, "the broker to register")
         assert (server["kind"], server["group"], server["unregistered_at"]) == ("broker", "g1", None)
         route = meta.request(RequestCode.META_ROUTE, {"subject": "orders", "create": True})
-        assert route["groups"] == [{"name": "g1", "addresses": [broker.address], "available": True, "read_only": False}]
+        assert route["groups"] == [
+            {
+                "name": "g1",
+                "addresses": [broker.address],
+                "available": True,
+                "read_only": False,
+                "master": broker.address,  # the first broker of a group is its master (docs/replication.md)
+                "epoch": 1,
+            }
+        ]
         assert conn.request(RequestCode.BROKER_STATS)["group"] == "g1"
 
         consumer = RawConsumer(conn, "orders", "c", "c1")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from qmq.broker import journal
 from qmq.broker.journal import Entry
@@ -24,6 +24,10 @@ DEFAULT_CONSUMER_TIMEOUT_S = 60.0  # a consumer silent this long loses its unack
 DEFAULT_MAX_ATTEMPTS = 32  # then a message goes to the dead-letter subject
 
 Clock = Callable[[], float]
+
+
+async def _nothing_to_wait_for(end: int) -> None:
+    """A broker alone: durable on its own disk is enough."""
 
 
 class BrokerCore:
@@ -42,7 +46,9 @@ class BrokerCore:
         self.max_attempts = max_attempts
         self.limits = limits
         self.group_name = ""  # known once the process listens (broker-<port> by default)
-        self.read_only = False  # set by the meta server: sends go to other groups
+        self.read_only = False  # set by the meta server (or too few replicas in sync): sends go elsewhere
+        # A replicated group's master waits here until enough replicas hold a send (qmq/broker/roles.py).
+        self.replicated: Callable[[int], Awaitable[None]] = _nothing_to_wait_for
         self.retries_changed = asyncio.Event()  # a retry was scheduled: the retry loop looks again
         self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)  # subject -> waiting pulls
 

@@ -39,7 +39,8 @@ class Sending:
                 continue
             batch.append(Message(m.subject, m.id, m.payload, m.key, m.tags))
         if batch:
-            await self.group_commit.write(batch)
+            appended = await self.group_commit.write(batch)
+            await self.core.replicated(appended[-1].end)  # a replicated group: enough replicas have it
             if len(batch) == 1:
                 metrics.STORED.by_subject[batch[0].subject] += 1
             else:

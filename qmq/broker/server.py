@@ -12,11 +12,12 @@ from pathlib import Path
 
 from qmq import metrics as prometheus
 from qmq.broker import metrics
-from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerCore
-from qmq.broker.service import BrokerService
+from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
+from qmq.broker.roles import Roles
 from qmq.meta.membership import Membership
 from qmq.net.server import Server, run_process, stop_on_signals
 from qmq.store.flush import FlushMode
+from qmq.store.followers import MAX_LAG_S
 from qmq.store.store import LogStore, StoreConfig
 
 log = logging.getLogger("qmq.broker")
@@ -40,40 +41,57 @@ async def serve_broker(
     metrics_port: int | None = None,
     consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    ack_replicas: int | None = None,
+    max_lag_s: float = MAX_LAG_S,
     store_config: StoreConfig | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
+    """With `meta`, the meta server makes this broker its group's master or a replica
+    (qmq/broker/roles.py, docs/replication.md); without, it is master alone, as before replication."""
     config = replace(store_config or StoreConfig(), flush=FlushMode(flush))
     store = await asyncio.to_thread(LogStore, data_dir, config)
+    roles = None
     try:
-        service = BrokerService(store, consumer_timeout_s=consumer_timeout_s, max_attempts=max_attempts)
-        server = Server(service.handle, host=host, port=port, token=token)
+        server = Server(lambda request, peer: roles.handle(request, peer), host=host, port=port, token=token)
         await server.start()
         address = advertise or f"{host}:{server.port}"
-        broker = service.core
-        broker.group_name = group or f"broker-{server.port}"
+        group_name = group or f"broker-{server.port}"
+        roles = Roles(
+            store,
+            config,
+            group=group_name,
+            address=address,
+            token=token,
+            replicated=bool(meta),
+            ack_replicas=ack_replicas,
+            max_lag_s=max_lag_s,
+            service_options={"consumer_timeout_s": consumer_timeout_s, "max_attempts": max_attempts},
+        )
         if stop is None:
             stop = stop_on_signals()
         if metrics_port is not None:
             metrics_port = prometheus.serve(metrics.REGISTRY, host, metrics_port)
             log.info("metrics on http://%s:%d/metrics", host, metrics_port)
-        service.start()
-        refresher = asyncio.create_task(_refresh_metrics(service))
+        await roles.start()
+        refresher = asyncio.create_task(_refresh_metrics(roles))
         membership = None
         if meta:
             membership = Membership(
                 meta,
                 kind="broker",
-                group=broker.group_name,
+                group=group_name,
                 address=address,
                 external_address=advertise_external,
                 token=token,
-                on_read_only=lambda ro: _set_read_only(broker, ro),
+                on_read_only=roles.on_meta_read_only,
+                report=roles.report,
+                on_reply=roles.on_meta_reply,
             )
+            roles.membership = membership
             membership.start()
         log.info(
             "broker group %s ready on %s (data %s, flush %s%s)",
-            broker.group_name,
+            group_name,
             address,
             data_dir,
             flush,
@@ -85,22 +103,17 @@ async def serve_broker(
         if membership is not None:
             await membership.close()
         await server.close()
-        await service.close()
+        await roles.close()
     finally:
-        await asyncio.to_thread(store.close)
+        await asyncio.to_thread((roles.store if roles is not None else store).close)
     log.info("broker stopped")
 
 
-async def _refresh_metrics(service: BrokerService) -> None:
+async def _refresh_metrics(roles: Roles) -> None:
     while True:
-        metrics.update(service.stats())
+        if roles.service is not None:
+            metrics.update(roles.service.stats())
         await asyncio.sleep(METRICS_INTERVAL_S)
-
-
-def _set_read_only(broker: BrokerCore, read_only: bool) -> None:
-    if read_only != broker.read_only:
-        log.warning("broker group %s is now %s", broker.group_name, "read-only" if read_only else "writable")
-    broker.read_only = read_only
 
 
 def run(data_dir: str | Path, **kwargs) -> None:

@@ -1,5 +1,5 @@
 """`qmq admin`: operate a running cluster from a shell (docs/operating.md). Each sub-command lives
-in a module beside this one (`admin_stats`, `admin_dead`, `admin_groups`, `admin_lookup`); they all
+in a module beside this one (`admin_stats`, `admin_dead`, `admin_groups`, `admin_lookup`, `admin_failover`); they all
 use the client's administration calls (`qmq.client.admin`), as the web console does."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import click
 
 from qmq.cli.admin_dead import dead
+from qmq.cli.admin_failover import failover
 from qmq.cli.admin_groups import group, reset
 from qmq.cli.admin_lookup import lookup
 from qmq.cli.admin_stats import inspect, stats
@@ -17,5 +18,5 @@ def admin() -> None:
     """Operate a running cluster: figures, dead letters, positions, look-ups, workers."""
 
 
-for command in (stats, dead, reset, group, lookup, inspect):
+for command in (stats, dead, reset, group, lookup, inspect, failover):
     admin.add_command(command)

@@ -9,10 +9,17 @@ import click
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
 from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
+from qmq.cli.time_options import DURATION
 from qmq.net.common import TOKEN_ENV
+from qmq.store.followers import MAX_LAG_S
 from qmq.store.store import StoreError
 
 CLIENTS_TOKEN_HELP = f"token clients must present [env {TOKEN_ENV}]"
+ACK_REPLICAS_HELP = (
+    "replicas that must hold a send durably before it is acknowledged [default: 1 when the group has a "
+    "replica, else 0]; fewer in sync: the group answers sends READ_ONLY"
+)
+MAX_LAG_HELP = "a replica that has not caught up with the master for this long is out of sync (e.g. 5s, 500ms)"
 
 # Shared with `qmq delay-server`.
 ADVERTISE = click.option("--advertise", default=None, help="host:port clients should use [default: HOST:PORT]")
@@ -53,11 +60,14 @@ ADVERTISE_EXTERNAL = click.option(
     DEFAULT_MAX_ATTEMPTS,
     "attempts before a message is dead-lettered, unless the consumer says otherwise",
 )
+@click.option("--ack-replicas", type=click.IntRange(0), default=None, help=ACK_REPLICAS_HELP)
+@tuning("--max-lag", DURATION, f"{MAX_LAG_S:g}s", MAX_LAG_HELP)
 @log_level_option("INFO", "DEBUG, INFO, WARNING or ERROR")
 def broker(data_dir: str, log_level: str, **settings: Any) -> None:
     """Run a broker: stores messages and serves them to consumer groups."""
     setup_logging(log_level, server=True)
     settings["token"] = settings["token"] or None
+    settings["max_lag_s"] = settings.pop("max_lag").total_seconds()
     try:
         run(data_dir, **settings)
     except StoreError as exc:

@@ -10,8 +10,11 @@ import sqlalchemy as sa
 from qmq.cli.broker import CLIENTS_TOKEN_HELP
 from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
 from qmq.db.url import DB_URL_ENV, DEFAULT_META_DB_URL, resolve_url
+from qmq.meta.election import FAILOVER_AFTER_S
 from qmq.meta.registry import UNAVAILABLE_AFTER_S
 from qmq.meta.server import DEFAULT_HOST, DEFAULT_PORT, run
+
+FAILOVER_HELP = "seconds without a heartbeat from a replicated group's master before an in-sync replica replaces it"
 
 
 @click.command("meta")
@@ -39,6 +42,7 @@ from qmq.meta.server import DEFAULT_HOST, DEFAULT_PORT, run
     "seconds without a heartbeat after which a server is unavailable",
     "heartbeat_timeout_s",
 )
+@tuning("--failover-after", click.FloatRange(min=0, min_open=True), FAILOVER_AFTER_S, FAILOVER_HELP, "failover_after_s")
 @log_level_option("INFO", "DEBUG, INFO, WARNING or ERROR")
 def meta(db_url: str | None, log_level: str, **settings: Any) -> None:
     """Run the meta server: broker groups and delay servers register and heartbeat here, and

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qmq.client.errors import ClientError, MetaUnreachable
-from qmq.client.steps import Call, Calls, Steps
+from qmq.client.routes import meta_call
+from qmq.client.steps import Call, Calls, Sleep, Steps
 from qmq.protocol.codes import RequestCode
 
 ADMIN_TIMEOUT_S = 30.0  # an administration request (a look-up reads the journal; a re-drive appends)
@@ -123,12 +124,16 @@ class AdminCore:
     brokers: tuple[str, ...]
     delay_servers: tuple[str, ...]
 
+    def failover(self, group: str, to: str | None = None, timeout_s: float = 30.0) -> Steps[dict]:
+        """A manual switch of a replicated group's master (`failover_steps` below)."""
+        return failover_steps(self, group, to, timeout_s)
+
     def cluster(self) -> Steps[Cluster]:
         """The cluster: META_LIST from the meta server, or the servers given directly. Raises
         `MetaUnreachable` when the meta server cannot answer."""
         if self.meta is None:
             return static_cluster(self.brokers, self.delay_servers)
-        reply = yield Call(self.meta, RequestCode.META_LIST, {}, ADMIN_TIMEOUT_S)
+        reply = yield from meta_call(self.meta, RequestCode.META_LIST, {}, ADMIN_TIMEOUT_S)
         if isinstance(reply, BaseException):
             raise MetaUnreachable(f"cannot ask the meta server at {self.meta}: {describe_error(reply)}")
         cluster = parse_cluster(self.meta, reply)
@@ -272,3 +277,46 @@ def position_body(subject: str, group: str, to: str | int, time_ms: int | None) 
     if time_ms is not None:
         body["time_ms"] = time_ms
     return body
+
+
+FAILOVER_TIMEOUT_S = 30.0  # a manual failover gives up after this long
+FAILOVER_POLL_S = 0.1  # how often it looks whether the new master has taken office
+
+
+class FailoverError(ClientError):
+    """A manual failover could not be made (no such group, no replica caught up, timed out)."""
+
+
+def failover_steps(admin: Any, group: str, to: str | None = None, timeout_s: float = FAILOVER_TIMEOUT_S) -> Steps[dict]:
+    """`qmq admin failover`: a manual switch of a replicated group's master (docs/replication.md).
+    The master stops taking sends and waits until a replica (`to`, or the in-sync one) has all of its
+    log; then the meta server makes that replica master with the next epoch; returns once it serves."""
+    if admin.meta is None:
+        raise FailoverError("a failover needs the meta server (--meta)")
+    listing = yield from meta_call(admin.meta, RequestCode.META_LIST, {}, ADMIN_TIMEOUT_S)
+    if isinstance(listing, BaseException):
+        raise MetaUnreachable(f"cannot ask the meta server at {admin.meta}: {describe_error(listing)}")
+    entry = next((g for g in listing.get("replication") or () if g["group"] == group), None)
+    if entry is None:
+        raise FailoverError(f"group {group!r} is not a replicated group the meta server knows")
+    old = entry["master"]
+    body = {"timeout_ms": int(timeout_s * 1000), **({"to": to} if to else {})}
+    handoff = yield Call(old, RequestCode.REPL_HANDOFF, body, timeout_s + ADMIN_TIMEOUT_S)
+    if isinstance(handoff, BaseException):
+        raise FailoverError(f"master {old} of {group} did not hand off: {describe_error(handoff)}")
+    switch = {"group": group, "to": handoff["replica"]}
+    switched = yield from meta_call(admin.meta, RequestCode.REPL_SWITCH, switch, ADMIN_TIMEOUT_S)
+    if isinstance(switched, BaseException):
+        raise FailoverError(f"the meta server did not switch {group}: {describe_error(switched)}")
+    new = switched["master"]
+    waited = 0.0
+    while True:
+        stats = yield Call(new, RequestCode.BROKER_STATS, {}, ADMIN_TIMEOUT_S)
+        replication = stats.get("replication") if isinstance(stats, dict) else None
+        if replication and replication.get("role") == "master" and replication.get("epoch") == switched["epoch"]:
+            break
+        if waited >= timeout_s:
+            raise FailoverError(f"{new} was made master of {group} (epoch {switched['epoch']}) but does not serve yet")
+        yield Sleep(FAILOVER_POLL_S)
+        waited += FAILOVER_POLL_S
+    return {"group": group, "old_master": old, "master": new, "epoch": switched["epoch"], "end": handoff["end"]}

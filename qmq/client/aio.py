@@ -123,6 +123,7 @@ class AsyncAdmin(AdminCore, AsyncClient):
     group_create = awaiting(AdminCore.group_create)
     group_delete = awaiting(AdminCore.group_delete)
     lookup = awaiting(AdminCore.lookup)
+    failover = awaiting(AdminCore.failover)
 
 
 class AsyncSubscription(SubscriptionCore):

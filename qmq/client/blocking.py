@@ -138,6 +138,7 @@ class Admin(AdminCore, Client):
     group_create = blocking(AdminCore.group_create)
     group_delete = blocking(AdminCore.group_delete)
     lookup = blocking(AdminCore.lookup)
+    failover = blocking(AdminCore.failover)
 
 
 class Subscription(SubscriptionCore):

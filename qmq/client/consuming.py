@@ -332,6 +332,7 @@ class SubscriptionCore:
                 continue
             reply = outcome(handle)
             if isinstance(reply, BaseException):
+                self.client._routes.invalidate([self.subject])  # the group's master may have moved
                 if is_fatal_pull_error(reply):
                     fatal = reply
                 elif slot.failed(time.monotonic()):

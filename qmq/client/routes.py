@@ -1,6 +1,7 @@
 """Routes: which broker groups carry a subject, and how long a client may trust what it was told.
 
-A route comes from the meta server (`META_ROUTE`, docs/meta.md) or, without a meta server, from a
+A route comes from the meta server (`META_ROUTE`, docs/meta.md; several may be listed, `A,B,C`, and
+are asked in turn) or, without a meta server, from a
 static list of broker addresses where each address is a group of its own (the embedded cluster and
 tests). Producers send only to groups that are available and not read-only; consumers pull from
 every group of the route, so that they drain groups that stopped taking new messages.
@@ -181,8 +182,38 @@ def resolve_servers(meta: str | None, brokers: Sequence[str] | None) -> tuple[st
             parse_address(address)
         return None, tuple(brokers)
     meta = meta or os.environ.get(META_ENV) or DEFAULT_META_ADDRESS
-    parse_address(meta)
+    meta_addresses(meta)
     return meta, ()
+
+
+def meta_addresses(meta: str) -> list[str]:
+    """The meta servers of `A,B,C` (several sharing one database), each checked."""
+    addresses = [a.strip() for a in meta.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError(f"{meta!r} names no meta server")
+    for address in addresses:
+        parse_address(address)
+    return addresses
+
+
+_preferred: dict[str, str] = {}  # meta list -> the address that answered last (shared by clients)
+
+
+def meta_call(meta: str, code: int, body: dict[str, Any], timeout_s: float) -> Steps[Any]:
+    """Ask the meta servers of `meta` (`A,B,C`) in turn, the one that answered last first; the
+    first reply, or the last failure (a `RemoteError` or `OSError`, as a `Call` outcome)."""
+    addresses = meta_addresses(meta) if "," in meta else [meta]
+    first = _preferred.get(meta)
+    if first in addresses:
+        addresses.remove(first)
+        addresses.insert(0, first)
+    reply: Any = None
+    for address in addresses:
+        reply = yield Call(address, code, body, timeout_s)
+        if not isinstance(reply, RemoteError | OSError):
+            _preferred[meta] = address
+            return reply
+    return reply
 
 
 def resolve_delay_servers(delay_servers: Sequence[str] | None) -> tuple[str, ...]:
@@ -223,7 +254,7 @@ class RouteBook:
         now = time.monotonic()
         if not refresh and (route := self.cache.fresh(subject, now)) is not None:
             return route
-        reply = yield Call(self.meta, RequestCode.META_ROUTE, route_request(subject), META_TIMEOUT_S)
+        reply = yield from meta_call(self.meta, RequestCode.META_ROUTE, route_request(subject), META_TIMEOUT_S)
         if isinstance(reply, RemoteError | OSError):
             error = meta_error(self.meta, subject, reply)
             stale = self.cache.stale(subject)
@@ -250,7 +281,7 @@ class RouteBook:
             return list(self.delay_servers)
         if self.meta is None:
             raise ClientError("no delay server is known: give delay_servers=[...] or a meta server")
-        reply = yield Call(self.meta, RequestCode.META_LIST, {}, META_TIMEOUT_S)
+        reply = yield from meta_call(self.meta, RequestCode.META_LIST, {}, META_TIMEOUT_S)
         if isinstance(reply, RemoteError | OSError):
             raise MetaUnreachable(f"cannot ask the meta server at {self.meta} for delay servers: {reply}")
         if isinstance(reply, BaseException):

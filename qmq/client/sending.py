@@ -34,7 +34,8 @@ RETRY_DELAY_S = 0.2  # before offering a message again to a group that already f
 SUSPECT_FOR_S = 5.0  # a group that just failed a send is chosen last for this long
 SEND_TIMEOUT_S = 10.0  # wait for one BROKER_SEND reply
 # A send that failed with one of these may work on another group (or later); any other is final.
-RETRIABLE_SEND_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.READ_ONLY, ErrorCode.TIMEOUT})
+# NOT_MASTER: the group's master moved (a failover); the route is asked for again.
+RETRIABLE_SEND_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.READ_ONLY, ErrorCode.TIMEOUT, ErrorCode.NOT_MASTER})
 CANCEL_TIMEOUT_S = 10.0  # wait for one DELAY_CANCEL reply
 CANCEL_OUTCOMES = ("cancelled", "too_late", "unknown")  # best first
 

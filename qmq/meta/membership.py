@@ -4,6 +4,11 @@ clean shutdown. Brokers and delay servers share it.
 The meta server may be down, slow or restarting: membership keeps trying (with backoff) and never
 takes its server down; it logs once when the meta server is lost and once when it is back. The meta
 server's answer carries the group's read-only flag, which is passed to `on_read_only`.
+
+`meta` may list several meta servers (`A,B,C`): a failed call moves on to the next. A server of a
+replicated group adds its role, epoch and log end to each heartbeat (`report`) and learns its
+group's master and epoch from the answer (`on_reply`); `last_reply_at` tells it how long it has been
+without the meta server (a master fences itself after a while: docs/replication.md).
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
+from typing import Any
 
 from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
@@ -41,8 +48,15 @@ class Membership:
         external_address: str | None = None,
         token: str | None = None,
         on_read_only: Callable[[bool], None] | None = None,
+        report: Callable[[], dict[str, Any]] | None = None,
+        on_reply: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        self.meta = meta
+        self.metas = [m.strip() for m in meta.split(",") if m.strip()]
+        self.meta = self.metas[0]
+        self.report = report
+        self.on_reply = on_reply
+        self.last_reply_at = time.monotonic()  # when a meta server last answered
+        self._poke = asyncio.Event()
         self.kind = kind
         self.group = group
         self.address = address
@@ -52,6 +66,10 @@ class Membership:
         self.registered = asyncio.Event()
         self._conn: AsyncConnection | None = None
         self._task: asyncio.Task[None] | None = None
+
+    def poke(self) -> None:
+        """Heartbeat now (a role changed), not at the next interval."""
+        self._poke.set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="qmq-membership")
@@ -72,17 +90,22 @@ class Membership:
         code = RequestCode.META_REGISTER
         while True:
             try:
-                reply = await self._call(code, body)
+                reply = await self._call(code, {**body, **self.report()} if self.report else body)
             except (OSError, ConnectionError, TimeoutError, RemoteError) as exc:
                 if failures == 0:
                     log.warning("meta server %s not reachable, retrying: %s", self.meta, exc)
-                wait = RECONNECT_BACKOFF_S[min(failures, len(RECONNECT_BACKOFF_S) - 1)]
                 failures += 1
                 if self._conn is not None:
                     await self._conn.close()
                     self._conn = None
+                if len(self.metas) > 1:  # the next meta server, after a pause once round the list
+                    self.meta = self.metas[failures % len(self.metas)]
+                    if failures % len(self.metas):
+                        continue
+                wait = RECONNECT_BACKOFF_S[min(failures // len(self.metas), len(RECONNECT_BACKOFF_S) - 1)]
                 await asyncio.sleep(wait)
                 continue
+            self.last_reply_at = time.monotonic()
             if failures or not self.registered.is_set():
                 log.info(
                     "registered with meta server %s as %s %s in group %s",
@@ -95,7 +118,12 @@ class Membership:
             code = RequestCode.META_HEARTBEAT
             self.registered.set()
             self.on_read_only(bool(reply.get("read_only")))
-            await asyncio.sleep(float(reply.get("heartbeat_interval_s", 10)))
+            if self.on_reply is not None:
+                self.on_reply(reply)
+            self._poke.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(float(reply.get("heartbeat_interval_s", 10))):
+                    await self._poke.wait()
 
     async def close(self) -> None:
         """Stop heartbeating and unregister (best effort: the meta server times us out otherwise)."""

@@ -89,19 +89,24 @@ class GroupState:
     addresses: tuple[str, ...]  # live servers; every known server when none is live
     subjects: int  # how many subjects are routed to the group
     external_addresses: tuple[str, ...] = ()  # the same servers, for clients outside their network
+    master: str | None = None  # a replicated group's master (listed first in `addresses` while live)
+    epoch: int = 0  # a replicated group's epoch (qmq.meta.election)
 
     @property
     def writable(self) -> bool:
         return self.available and not self.read_only
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "name": self.name,
             "addresses": list(self.addresses),
             "external_addresses": list(self.external_addresses),
             "available": self.available,
             "read_only": self.read_only,
         }
+        if self.master is not None:
+            wire |= {"master": self.master, "epoch": self.epoch}
+        return wire
 
 
 @dataclass(frozen=True)
@@ -336,9 +341,16 @@ class Registry:
                 sa.select(schema.route.c.group_name, sa.func.count()).group_by(schema.route.c.group_name)
             ).all()
         )
+        masters = {
+            r.group_name: (r.master, r.epoch)
+            for r in conn.execute(
+                sa.select(schema.replication.c.group_name, schema.replication.c.master, schema.replication.c.epoch)
+            )
+        }
         result: dict[str, GroupState] = {}
         for row in conn.execute(sa.select(schema.group).order_by(schema.group.c.name)).all():
-            members = [s for s in servers if s.group == row.name]
+            master, epoch = masters.get(row.name, (None, 0))
+            members = sorted((s for s in servers if s.group == row.name), key=lambda s: s.address != master)
             live = [s for s in members if s.available]
             listed = live or members
             result[row.name] = GroupState(
@@ -348,6 +360,8 @@ class Registry:
                 addresses=tuple(s.address for s in listed),
                 subjects=int(counts.get(row.name, 0)),
                 external_addresses=tuple(s.outside_address for s in listed),
+                master=master,
+                epoch=epoch,
             )
         return result
 

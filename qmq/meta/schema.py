@@ -61,3 +61,40 @@ def as_utc(value: datetime) -> datetime:
     if value.tzinfo is None:
         return value.replace(tzinfo=UTC)
     return value.astimezone(UTC)
+
+
+# -- replication (docs/replication.md) ---------------------------------------------------------------
+
+# One row per replicated group (broker groups, and delay-server groups as "delay:<name>"): its epoch and
+# master, and which replicas the master last said were in sync (comma-separated addresses).
+replication = sa.Table(
+    "qmq_meta_replication",
+    metadata,
+    sa.Column("group_name", sa.String(NAME_LEN), primary_key=True),
+    sa.Column("epoch", sa.Integer(), nullable=False),
+    sa.Column("master", sa.String(ADDRESS_LEN), nullable=False),
+    sa.Column("in_sync", sa.Text(), nullable=False, server_default=""),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+# What each replicating server last reported: its role, epoch and message-log end.
+replica = sa.Table(
+    "qmq_meta_replica",
+    metadata,
+    sa.Column("address", sa.String(ADDRESS_LEN), primary_key=True),
+    sa.Column("group_name", sa.String(NAME_LEN), nullable=False),
+    sa.Column("role", sa.String(16), nullable=False),
+    sa.Column("epoch", sa.Integer(), nullable=False),
+    sa.Column("log_end", sa.BigInteger(), nullable=False),
+    sa.Column("reported_at", sa.DateTime(timezone=True), nullable=False),
+)
+sa.Index("ix_qmq_meta_replica_group_name", replica.c.group_name)
+
+# Leases among the meta servers sharing a database: the holder of "failover" decides failovers.
+lease = sa.Table(
+    "qmq_meta_lease",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("holder", sa.String(ADDRESS_LEN), nullable=True),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
+)

@@ -21,6 +21,7 @@ from prometheus_client import Gauge
 from qmq import metrics
 from qmq.db.engine import create_engine, safe_url
 from qmq.db.migrate import upgrade
+from qmq.meta.election import FAILOVER_AFTER_S, Election
 from qmq.meta.listeners import external_view, internal_view, viewed
 from qmq.meta.registry import (
     HEARTBEAT_INTERVAL_S,
@@ -40,7 +41,10 @@ log = logging.getLogger("qmq.meta")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 20880
-MAX_SWEEP_INTERVAL_S = 1.0  # the liveness sweep runs at least this often (more often for short timeouts)
+MAX_SWEEP_INTERVAL_S = 1.0
+FAILOVER_SWEEP_S = 0.25  # silent masters are looked for this often (a read, and the lease renewal)
+HEARTBEATS_PER_FAILOVER = 4  # replicating servers heartbeat this often within --failover-after
+ROLES = ("master", "replica", "pending")  # the liveness sweep runs at least this often (more often for short timeouts)
 
 T = TypeVar("T")
 
@@ -77,9 +81,10 @@ class MetaService(Service):
     storage = "database"
     storage_errors = _DB_DOWN_ERRORS
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, election: Election | None = None) -> None:
         super().__init__(REQUESTS)
         self.registry = registry
+        self.election = election or Election(registry.engine, clock=registry.clock)
         self._db_ok = True
         self._live_servers: set[str] | None = None  # None until the first sweep
         self._live_groups: set[str] | None = None
@@ -90,6 +95,7 @@ class MetaService(Service):
             RequestCode.META_ROUTE: self._route,
             RequestCode.META_SET_READ_ONLY: self._set_read_only,
             RequestCode.META_LIST: self._list,
+            RequestCode.REPL_SWITCH: self._switch,
         }
 
     # -- requests -------------------------------------------------------------------------------
@@ -107,11 +113,35 @@ class MetaService(Service):
             log.info("%s %s%s %s", reg.kind, reg.address, where, reg.event)
         if self._live_servers is not None:
             self._live_servers.add(address)
-        return {"heartbeat_interval_s": HEARTBEAT_INTERVAL_S, "read_only": reg.read_only}
+        reply: dict[str, Any] = {"heartbeat_interval_s": HEARTBEAT_INTERVAL_S, "read_only": reg.read_only}
+        if body.get("role") is not None:  # a server of a replicated group (docs/replication.md)
+            reply |= await self._replication_report(kind, address, body)
+        return reply
+
+    async def _replication_report(self, kind: str, address: str, body: dict[str, Any]) -> dict[str, Any]:
+        group = validate_group(field(body, "group", str))
+        role = choice_field(body, "role", ROLES)
+        epoch = field(body, "epoch", int, 0)
+        log_end = field(body, "log_end", int, 0)
+        in_sync = body.get("in_sync")
+        if in_sync is not None and not (isinstance(in_sync, list) and all(isinstance(a, str) for a in in_sync)):
+            raise bad("field 'in_sync' must be a list of addresses")
+        key = group if kind == "broker" else f"delay:{group}"
+        assigned = await self._db(self.election.report, address, key, role, epoch, log_end, in_sync)
+        failover_after_s = self.election.failover_after.total_seconds()
+        return {
+            "role": assigned.role_of(address),
+            "epoch": assigned.epoch,
+            "master": assigned.master,
+            "members": assigned.members,
+            "failover_after_s": failover_after_s,
+            "heartbeat_interval_s": min(HEARTBEAT_INTERVAL_S, failover_after_s / HEARTBEATS_PER_FAILOVER),
+        }
 
     async def _unregister(self, body: dict[str, Any]) -> dict[str, Any]:
         address = _address(body.get("address"))
         known = await self._db(self.registry.unregister, address)
+        await self._db(self.election.forget, address)
         if known:
             log.info("server %s unregistered (clean shutdown): unavailable", address)
             if self._live_servers is not None:
@@ -139,8 +169,20 @@ class MetaService(Service):
             log.info("group %s is now %s", group, "read-only" if read_only else "writable")
         return {"group": group, "read_only": read_only, "changed": changed}
 
+    async def _switch(self, body: dict[str, Any]) -> dict[str, Any]:
+        """REPL_SWITCH (`qmq admin failover`): make `to` (an in-sync replica) master, next epoch."""
+        group = validate_group(field(body, "group", str))
+        to = _address(body["to"]) if body.get("to") is not None else None
+        switched = await self._db(self.election.switch, group, to)
+        if switched is None:
+            raise bad(f"group {group!r}: no live in-sync replica{f' {to}' if to else ''} to switch to")
+        log.warning("group %s: manual switch to %s, epoch %d", group, switched.master, switched.epoch)
+        return {"group": group, "epoch": switched.epoch, "master": switched.master}
+
     async def _list(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._db(self.registry.snapshot)
+        snapshot = await self._db(self.registry.snapshot)
+        snapshot["replication"] = await self._db(self.election.listing)
+        return snapshot
 
     # -- database access ------------------------------------------------------------------------
 
@@ -207,6 +249,18 @@ class MetaService(Service):
         GROUPS.labels("unavailable").set(sum(1 for g in groups if not g.available))
         ROUTES.set(route_entries)
 
+    async def failover_forever(self, interval_s: float) -> None:
+        """Every `interval_s`: replace silent masters (qmq.meta.election), when this meta server
+        holds the failover lease."""
+        while True:
+            try:
+                await self._db(self.election.sweep)
+            except _DB_DOWN_ERRORS as exc:
+                self.storage_failed(exc)
+            except Exception:
+                log.exception("failover sweep failed")
+            await asyncio.sleep(interval_s)  # a period, not a wait for an event
+
     def _read_state(self) -> tuple[list, list, int]:
         groups = self.registry.groups()
         return self.registry.servers(), groups, sum(g.subjects for g in groups)
@@ -224,6 +278,7 @@ async def serve_meta(
     external_port: int | None = None,
     token: str | None = None,
     heartbeat_timeout_s: float = UNAVAILABLE_AFTER_S,
+    failover_after_s: float = FAILOVER_AFTER_S,
     metrics_port: int | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -233,7 +288,8 @@ async def serve_meta(
     revision = await asyncio.to_thread(upgrade, db_url)
     engine = create_engine(db_url)
     log.info("database %s at revision %s", safe_url(engine), revision)
-    service = MetaService(Registry(engine, unavailable_after_s=heartbeat_timeout_s))
+    registry = Registry(engine, unavailable_after_s=heartbeat_timeout_s)
+    service = MetaService(registry, Election(engine, failover_after_s=failover_after_s, clock=registry.clock))
     if stop is None:
         stop = stop_on_signals()
     if metrics_port is not None:
@@ -254,13 +310,15 @@ async def serve_meta(
         heartbeat_timeout_s,
     )
     sweeper = asyncio.create_task(service.sweep_forever(min(MAX_SWEEP_INTERVAL_S, heartbeat_timeout_s / 4)))
+    failovers = asyncio.create_task(service.failover_forever(min(FAILOVER_SWEEP_S, failover_after_s / 8)))
     try:
         await stop.wait()
         log.info("shutting down")
     finally:
-        sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sweeper
+        for task in (sweeper, failovers):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         for listener in servers:
             await listener.close()
         await asyncio.to_thread(engine.dispose)

@@ -38,6 +38,16 @@ class RequestCode(IntEnum):
     BROKER_GROUP_DELETE = 117  # {"subject", "group", "force"} -> {"deleted"}
     BROKER_CONSUMERS = 118  # {} -> {"consumers": [...]}: every consumer, with what its worker reported
 
+    # Replication between the servers of a group (see docs/replication.md for the bodies).
+    REPL_FETCH = (
+        120  # {"group", "replica", "epoch", "offset", "max_bytes", "wait_ms"} -> {"epoch", "data", "end", "epochs"}
+    )
+    REPL_EPOCH_END = 121  # {"epoch"} -> {"epoch", "end_offset"}: where that epoch ends in the master's log
+    REPL_HANDOFF = (
+        122  # to a master: {"to"?, "timeout_ms"} -> {"replica", "end", "epoch"}: sends stop, a replica catches up
+    )
+    REPL_SWITCH = 123  # to the meta server: {"group", "to"?} -> {"group", "epoch", "master"}: a manual failover
+
     # Meta server (see docs/meta.md for the bodies).
     META_REGISTER = 200  # {"kind", "group", "address": "host:port"} -> {"heartbeat_interval_s", "read_only"}
     META_HEARTBEAT = 201  # same body and reply as META_REGISTER; an unknown server is registered

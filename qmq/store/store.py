@@ -19,7 +19,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -34,6 +34,7 @@ from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS,
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
+from qmq.store.replication import first_record_size, split_chunk, whole_prefix
 
 log = logging.getLogger("qmq.store")
 
@@ -122,6 +123,7 @@ class LogStore:
         self._checkpointed = threading.Condition()
         self.checkpoint_offset = 0  # of the last checkpoint written
         self.index: KeyIndex | None = None
+        self.append_listeners: list[Callable[[int], None]] = []  # called with the new end after appends
         try:
             self.recovery = self._recover()
         except BaseException:
@@ -326,7 +328,34 @@ class LogStore:
                     exc,
                 )
                 raise StoreError(f"append failed: {exc}") from exc
+            end = position
+        for listener in self.append_listeners:
+            listener(end)
         return results
+
+    def append_replicated(self, data: bytes, offset: int) -> int:
+        """Append a chunk of the master's message log that begins at `offset` (this log's end):
+        whole records, each CRC-checked before any is written (`ChunkError` otherwise), stored byte
+        for byte, their consume-log and index entries derived as recovery derives them. Durable once
+        `durable(end)` says so. Returns the new end."""
+        pieces, records = split_chunk(data, offset)
+        with self._lock:
+            self._check_writable()
+            if offset != self.message_log.end_offset:
+                raise StoreError(
+                    f"replicated chunk at offset {offset}, but the log ends at {self.message_log.end_offset}"
+                )
+            try:
+                self.message_log.append(pieces)
+                self._derive(records)
+            except OSError as exc:
+                self._failed = exc
+                log.critical("replicated append failed, the store is read-only until reopened: %s", exc)
+                raise StoreError(f"append failed: {exc}") from exc
+            end = self.message_log.end_offset
+        for listener in self.append_listeners:
+            listener(end)
+        return end
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -406,6 +435,20 @@ class LogStore:
     def end_offset(self) -> int:
         """The message log's end: the offset the next record gets."""
         return self.message_log.end_offset
+
+    def read_chunk(self, offset: int, max_bytes: int, limit: int | None = None) -> bytes:
+        """Whole records of the message log from `offset` (a record boundary), at most `max_bytes`
+        unless the first record alone is bigger, never past `limit` (default: the log's end): what a
+        master ships to a replica."""
+        limit = self.message_log.end_offset if limit is None else limit
+        if offset >= limit:
+            return b""
+        data = self.message_log.read_bytes(offset, min(limit, offset + max(max_bytes, rec.HEADER_SIZE)))
+        whole = whole_prefix(data)
+        if whole == 0:
+            data = self.message_log.read_bytes(offset, offset + first_record_size(data))
+            whole = len(data)
+        return data[:whole]
 
     def scan(self, start: int) -> Iterator[rec.Record]:
         """Every record of the message log from offset `start` (a record boundary) to its end, in

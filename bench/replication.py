@@ -1,0 +1,254 @@
+"""Replicated broker groups against a single broker, in one run on this machine (docs/replication.md):
+
+    .venv/bin/python bench/replication.py                  # every case
+    .venv/bin/python bench/replication.py produce          # 1 KiB, batches of 64: single vs --ack-replicas 1
+    .venv/bin/python bench/replication.py latency          # send-to-ack p50/p99 at 1,000 msg/s, both ways
+    .venv/bin/python bench/replication.py failover         # SIGKILL of the master -> first acked send
+    .venv/bin/python bench/replication.py failover --failover-after 2
+
+Every broker is a real `qmq broker` process with sync flush; the replicated group has a meta server
+(SQLite) and two brokers (master and replica, `--ack-replicas 1`); the failover case has three (so
+the new master still has a replica to acknowledge with). All share this machine's cores and disk,
+so the replica's fsync competes with the master's. Record the figures in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from broker import cpu_seconds, free_port, produce  # bench/broker.py
+
+from qmq.net.aio_client import AsyncConnection
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import RemoteError
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+
+
+def wait_port(port: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.05)  # polling a port from outside the process
+    raise RuntimeError(f"nothing listened on {port}")
+
+
+class Cluster:
+    """Brokers (and a meta server when `replicated`) in a temporary directory."""
+
+    def __init__(self, replicated: bool, members: int = 2, failover_after: float = 10.0) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-repl-"))
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.meta: str | None = None
+        self.failover_after = failover_after
+        if replicated:
+            port = free_port()
+            proc = self._start(
+                "meta",
+                [
+                    *("meta", "--port", str(port), "--db", f"sqlite:///{self.dir / 'meta.sqlite3'}"),
+                    *("--failover-after", str(failover_after), "-l", "WARNING"),
+                ],
+            )
+            self.procs[port] = proc  # stopped with the brokers
+            wait_port(port, proc)
+            self.meta = f"{HOST}:{port}"
+        self.ports: list[int] = []
+        try:
+            for i in range(members if replicated else 1):
+                self.add_broker(i)
+                if replicated:
+                    asyncio.run(self.wait_role(self.ports[-1], "master" if i == 0 else "replica"))
+            if replicated:
+                asyncio.run(self.wait_writable(self.ports[0]))
+        except BaseException:
+            self.stop(keep=True)
+            raise
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - the child's
+        proc = subprocess.Popen([sys.executable, "-m", "qmq", *args], cwd=ROOT, stdout=log, stderr=log)
+        log.close()
+        return proc
+
+    def add_broker(self, i: int, port: int | None = None) -> int:
+        port = port or free_port()
+        args = ["broker", "--data-dir", str(self.dir / f"b{i}"), "--port", str(port), "-l", "WARNING"]
+        if self.meta:
+            args += ["--meta", self.meta, "--group", "g1", "--ack-replicas", "1"]
+        self.procs[port] = self._start(f"b{i}", args)
+        wait_port(port, self.procs[port])
+        self.ports.append(port)
+        return port
+
+    async def stats(self, port: int) -> dict | None:
+        try:
+            conn = await AsyncConnection.open(HOST, port, client_id="bench")
+        except OSError:
+            return None
+        try:
+            return (await conn.request(RequestCode.BROKER_STATS, {}, timeout=5)).get("replication")
+        except (OSError, RemoteError, TimeoutError):
+            return None
+        finally:
+            await conn.close()
+
+    async def wait_role(self, port: int, role: str) -> None:
+        while ((await self.stats(port)) or {}).get("role") != role:
+            await asyncio.sleep(0.05)
+
+    async def wait_writable(self, port: int) -> None:
+        while not ((await self.stats(port)) or {}).get("writable"):
+            await asyncio.sleep(0.05)
+
+    def stop(self, keep: bool = False) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+        if keep:
+            print(f"# kept {self.dir} (logs of every process)", file=sys.stderr)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def send_latency(port: int, rate: int, seconds: float, size: int) -> dict:
+    """One message every 1/rate s, each its own BROKER_SEND: the time to its acknowledgement."""
+    conn = await AsyncConnection.open(HOST, port, client_id="bench-latency")
+    payload = os.urandom(size)
+    delays: list[float] = []
+
+    async def one(i: int) -> None:
+        t0 = time.perf_counter()
+        await conn.request(
+            RequestCode.BROKER_SEND, {"messages": [{"id": f"l{i}", "subject": "lat", "payload": payload}]}
+        )
+        delays.append(time.perf_counter() - t0)
+
+    tasks = []
+    start = time.perf_counter()
+    for i in range(int(rate * seconds)):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    await conn.close()
+    delays.sort()
+    return {"p50_ms": delays[len(delays) // 2] * 1000, "p99_ms": delays[int(len(delays) * 0.99)] * 1000}
+
+
+async def failover_time(cluster: Cluster) -> dict:
+    """Send one message every 10 ms to whoever is master; SIGKILL the master; the time until a send
+    is acknowledged by another broker."""
+    master = cluster.ports[0]
+    kill_at: float | None = None
+    i = 0
+    while True:
+        for port in [master] + [p for p in cluster.ports if p != master]:
+            if kill_at is not None and port == master:
+                continue
+            try:
+                conn = await AsyncConnection.open(HOST, port, client_id="bench-failover", timeout=1)
+            except OSError:
+                continue
+            try:
+                i += 1
+                await conn.request(
+                    RequestCode.BROKER_SEND,
+                    {"messages": [{"id": f"f{i}", "subject": "fo", "payload": b"x"}]},
+                    timeout=2,
+                )
+            except (OSError, RemoteError, TimeoutError):
+                continue
+            finally:
+                await conn.close()
+            if kill_at is None:
+                if i >= 100:
+                    cluster.procs[master].send_signal(signal.SIGKILL)
+                    kill_at = time.perf_counter()
+                break
+            return {"seconds": time.perf_counter() - kill_at, "new_master": port}
+        await asyncio.sleep(0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("case", nargs="?", default="all", choices=["all", "produce", "latency", "failover"])
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--failover-after", type=float, default=10.0)
+    args = parser.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    print(
+        f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, sync flush, "
+        f"{args.size} B messages, load average {os.getloadavg()[0]:.2f}"
+    )
+    cases = ["produce", "latency", "failover"] if args.case == "all" else [args.case]
+    for case in cases:
+        if case in ("produce", "latency"):
+            for replicated in (False, True):
+                cluster = Cluster(replicated)
+                name = "replicated (--ack-replicas 1)" if replicated else "single broker"
+                try:
+                    port = cluster.ports[0]
+                    cpu = cpu_seconds(cluster.procs[port].pid)
+                    if case == "produce":
+                        r = asyncio.run(produce(port, args.messages, 64, args.size, connections=2, inflight=4))
+                        cpu_ms = (cpu_seconds(cluster.procs[port].pid) - cpu) * 1e6 / r["messages"]
+                        print(
+                            f"produce  {name:<30} batch 64, 2 conns x 4 in flight: {r['rate']:>8,.0f} msg/s "
+                            f"(batch p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms; "
+                            f"master CPU {cpu_ms:.1f} ms per 1,000)"
+                        )
+                    else:
+                        r = asyncio.run(send_latency(port, 1000, 10, args.size))
+                        print(
+                            f"latency  {name:<30} 1,000 msg/s for 10 s, send to ack: "
+                            f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms"
+                        )
+                except BaseException:
+                    cluster.stop(keep=True)
+                    raise
+                cluster.stop()
+        else:
+            cluster = Cluster(True, members=3, failover_after=args.failover_after)
+            try:
+                asyncio.run(cluster.wait_role(cluster.ports[2], "replica"))
+                r = asyncio.run(failover_time(cluster))
+                print(
+                    f"failover --failover-after {args.failover_after:g}s, 3 brokers: SIGKILL of the master to the "
+                    f"first acknowledged send on the new master: {r['seconds']:.2f} s"
+                )
+            finally:
+                cluster.stop()
+
+
+if __name__ == "__main__":
+    main()

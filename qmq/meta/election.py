@@ -1,0 +1,278 @@
+"""Masters and epochs of replicated groups, and automatic failover (docs/replication.md). No
+sockets: `qmq.meta.server` calls `report` for each heartbeat that carries a role and `sweep` on its
+liveness loop.
+
+- The first server of a group to report becomes its master, with epoch 1.
+- A master reports which replicas are in sync; only those may be promoted.
+- When the master has not reported for `failover_after_s`, the live replica that was in sync with
+  the highest message-log end becomes master with the next epoch. The bump is a compare-and-set
+  (`epoch = epoch + 1 WHERE epoch = seen`), and only the meta server holding the `failover` lease
+  decides at a time, so several meta servers on one database never promote two masters.
+- A master that reports a log shorter than an in-sync replica's (it came back with a wiped disk) is
+  replaced the same way at once: it would otherwise hand out a log that lost acknowledged messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from qmq.meta import schema
+from qmq.meta.schema import as_utc
+
+log = logging.getLogger("qmq.meta")
+
+FAILOVER_AFTER_S = 10.0  # a master silent this long is replaced by an in-sync replica
+LEASE_NAME = "failover"
+WRITE_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What the meta server tells a replicating server: its group's epoch and master."""
+
+    group: str
+    epoch: int
+    master: str
+    members: int = 0  # the other servers of the group that ever reported
+
+    def role_of(self, address: str) -> str:
+        return "master" if address == self.master else "replica"
+
+
+@dataclass(frozen=True)
+class Failover:
+    group: str
+    epoch: int
+    master: str
+    old_master: str
+    log_end: int
+    reason: str
+
+
+class Election:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        failover_after_s: float = FAILOVER_AFTER_S,
+        clock: Callable[[], datetime],
+        holder: str | None = None,
+    ) -> None:
+        if failover_after_s <= 0:
+            raise ValueError("failover_after_s must be positive")
+        self.engine = engine
+        self.failover_after = timedelta(seconds=failover_after_s)
+        self.lease_for = timedelta(seconds=max(1.0, failover_after_s / 2))
+        self.clock = clock
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._stuck: set[str] = set()  # groups whose master is gone with no replica to promote (logged once)
+
+    # -- heartbeats -------------------------------------------------------------------------------
+
+    def report(
+        self, address: str, group: str, role: str, epoch: int, log_end: int, in_sync: list[str] | None
+    ) -> Assignment:
+        """Record a replicating server's heartbeat; its group's epoch and master. A master's
+        `in_sync` list (for its own epoch) is kept for the next failover."""
+        now = self.clock()
+        for attempt in range(WRITE_ATTEMPTS):
+            try:
+                with self.engine.begin() as conn:
+                    return self._report(conn, now, address, group, role, epoch, log_end, in_sync)
+            except sa.exc.IntegrityError:  # another meta server inserted the same row first
+                if attempt == WRITE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _report(
+        self,
+        conn: Connection,
+        now: datetime,
+        address: str,
+        group: str,
+        role: str,
+        epoch: int,
+        log_end: int,
+        in_sync: list[str] | None,
+    ) -> Assignment:
+        values = {"group_name": group, "role": role, "epoch": epoch, "log_end": log_end, "reported_at": now}
+        updated = conn.execute(schema.replica.update().where(schema.replica.c.address == address).values(**values))
+        if updated.rowcount == 0:
+            conn.execute(schema.replica.insert().values(address=address, **values))
+        row = conn.execute(sa.select(schema.replication).where(schema.replication.c.group_name == group)).first()
+        if row is None:
+            conn.execute(
+                schema.replication.insert().values(
+                    group_name=group, epoch=1, master=address, in_sync=",".join(sorted(in_sync or ())), updated_at=now
+                )
+            )
+            log.info("group %s: %s is master, epoch 1 (first to register)", group, address)
+            return Assignment(group, 1, address, self._members(conn, group, address))
+        if row.master == address and role == "master" and epoch == row.epoch and in_sync is not None:
+            listed = ",".join(sorted(in_sync))
+            if listed != row.in_sync:
+                conn.execute(
+                    schema.replication.update()
+                    .where(schema.replication.c.group_name == group, schema.replication.c.epoch == row.epoch)
+                    .values(in_sync=listed, updated_at=now)
+                )
+        return Assignment(group, row.epoch, row.master, self._members(conn, group, address))
+
+    def _members(self, conn: Connection, group: str, address: str) -> int:
+        return conn.execute(
+            sa.select(sa.func.count())
+            .select_from(schema.replica)
+            .where(schema.replica.c.group_name == group, schema.replica.c.address != address)
+        ).scalar_one()
+
+    def forget(self, address: str) -> None:
+        """A server left cleanly: it no longer counts as a member of its group."""
+        with self.engine.begin() as conn:
+            conn.execute(schema.replica.delete().where(schema.replica.c.address == address))
+
+    # -- failover ---------------------------------------------------------------------------------
+
+    def sweep(self) -> list[Failover]:
+        """Replace the masters that fell silent (or lost their log), if this meta server holds the
+        lease. Returns the failovers made."""
+        now = self.clock()
+        with self.engine.begin() as conn:
+            if not self._take_lease(conn, now):
+                return []
+            made = []
+            for row in conn.execute(sa.select(schema.replication)).all():
+                failover = self._check_group(conn, now, row)
+                if failover is not None:
+                    made.append(failover)
+        for f in made:
+            log.warning(
+                "group %s: failover to %s, epoch %d (log end %d): %s (old master %s)",
+                f.group,
+                f.master,
+                f.epoch,
+                f.log_end,
+                f.reason,
+                f.old_master,
+            )
+        return made
+
+    def switch(self, group: str, to: str | None = None) -> Failover | None:
+        """A manual failover (maintenance): make `to` (default: the in-sync replica with the
+        highest log end) the master with the next epoch. None when no replica qualifies."""
+        now = self.clock()
+        with self.engine.begin() as conn:
+            row = conn.execute(sa.select(schema.replication).where(schema.replication.c.group_name == group)).first()
+            if row is None:
+                return None
+            return self._promote(conn, now, row, "manual switch", only=to)
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Every replicated group: epoch, master and the replicas last reported in sync (META_LIST)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(schema.replication).order_by(schema.replication.c.group_name)).all()
+        return [
+            {
+                "group": r.group_name,
+                "epoch": r.epoch,
+                "master": r.master,
+                "in_sync": list(filter(None, r.in_sync.split(","))),
+            }
+            for r in rows
+        ]
+
+    def assignment(self, group: str) -> Assignment | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(schema.replication).where(schema.replication.c.group_name == group)).first()
+        return Assignment(group, row.epoch, row.master) if row else None
+
+    def masters(self, conn: Connection) -> dict[str, tuple[str, int]]:
+        """group -> (master address, epoch), for the routes."""
+        rows = conn.execute(
+            sa.select(schema.replication.c.group_name, schema.replication.c.master, schema.replication.c.epoch)
+        )
+        return {r.group_name: (r.master, r.epoch) for r in rows}
+
+    def _check_group(self, conn: Connection, now: datetime, row) -> Failover | None:
+        master = conn.execute(sa.select(schema.replica).where(schema.replica.c.address == row.master)).first()
+        if master is not None and master.group_name == row.group_name:
+            alive = now - as_utc(master.reported_at) <= self.failover_after
+            if alive and master.epoch <= row.epoch:
+                best = self._best_in_sync(conn, now, row)
+                # Only a master report newer than the replica's can show a lost log: a replica's log is
+                # a prefix of what the master had when the replica reported.
+                newer = as_utc(master.reported_at) >= as_utc(best.reported_at) if best is not None else False
+                if best is None or not newer or best.log_end <= master.log_end:
+                    self._stuck.discard(row.group_name)
+                    return None
+                reason = f"the master reports log end {master.log_end}, an in-sync replica has {best.log_end}"
+                return self._promote(conn, now, row, reason)
+            if alive:
+                return None
+        silent = "never reported" if master is None else f"no heartbeat for {self.failover_after.total_seconds():g} s"
+        return self._promote(conn, now, row, f"master silent ({silent})")
+
+    def _best_in_sync(self, conn: Connection, now: datetime, row, only: str | None = None):
+        in_sync = set(filter(None, row.in_sync.split(",")))
+        if only is not None:
+            in_sync &= {only}
+        candidates = [
+            r
+            for r in conn.execute(sa.select(schema.replica).where(schema.replica.c.group_name == row.group_name)).all()
+            if r.address in in_sync and r.address != row.master and now - as_utc(r.reported_at) <= self.failover_after
+        ]
+        return max(candidates, key=lambda r: (r.log_end, r.address), default=None)
+
+    def _promote(self, conn: Connection, now: datetime, row, reason: str, only: str | None = None) -> Failover | None:
+        best = self._best_in_sync(conn, now, row, only)
+        if best is None:
+            if row.group_name not in self._stuck:
+                self._stuck.add(row.group_name)
+                log.error("group %s: %s, but no live in-sync replica can take over; waiting", row.group_name, reason)
+            return None
+        self._stuck.discard(row.group_name)
+        result = conn.execute(
+            schema.replication.update()
+            .where(schema.replication.c.group_name == row.group_name, schema.replication.c.epoch == row.epoch)
+            .values(epoch=row.epoch + 1, master=best.address, in_sync="", updated_at=now)
+        )
+        if result.rowcount != 1:  # another meta server moved first
+            return None
+        return Failover(row.group_name, row.epoch + 1, best.address, row.master, best.log_end, reason)
+
+    def _take_lease(self, conn: Connection, now: datetime) -> bool:
+        """Hold (or renew) the failover lease: true when this meta server may decide now."""
+        lease = schema.lease
+        held = conn.execute(sa.select(lease.c.holder, lease.c.expires_at).where(lease.c.name == LEASE_NAME)).first()
+        renewed_lately = (
+            held is not None
+            and held.holder == self.holder
+            and held.expires_at is not None
+            and as_utc(held.expires_at) - now > self.lease_for / 2
+        )
+        if renewed_lately:
+            return True  # no write on every sweep
+        result = conn.execute(
+            lease.update()
+            .where(
+                lease.c.name == LEASE_NAME,
+                sa.or_(lease.c.holder == self.holder, lease.c.holder.is_(None), lease.c.expires_at < now),
+            )
+            .values(holder=self.holder, expires_at=now + self.lease_for)
+        )
+        if result.rowcount == 1:
+            return True
+        exists = conn.execute(sa.select(lease.c.name).where(lease.c.name == LEASE_NAME)).first()
+        if exists is None:
+            conn.execute(lease.insert().values(name=LEASE_NAME, holder=self.holder, expires_at=now + self.lease_for))
+            return True
+        return False

@@ -1,0 +1,107 @@
+"""Replication at the store level, shared by the broker and the delay server: what a master ships
+and how a replica checks and keeps it (docs/replication.md).
+
+A replica copies the master's message log byte for byte: the master reads whole records from an
+offset (`LogStore.read_chunk`), the replica checks every record's CRC before anything is written
+(`split_chunk` here: a partial or corrupt chunk is refused whole) and appends them with
+`LogStore.append_replicated`, which derives the consume logs and the key index the way recovery
+does. Derived files are never copied: each side builds its own from the log.
+
+`truncate_log` cuts a closed store's message log back to an offset (a deposed master whose tail the
+new master never had); the cut bytes go to `quarantine/`, the derived files are removed so the next
+open rebuilds them from what is left. Nothing here talks to the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from qmq.store import record as rec
+from qmq.store.files import fsync_dir
+from qmq.store.segment import list_segments
+
+log = logging.getLogger("qmq.store")
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # what a replica asks for at most per fetch
+CATCH_UP_CHUNK_BYTES = 16 * 1024 * 1024  # per fetch while far behind (a new or wiped replica)
+DERIVED_DIRS = ("consumelog", "index", "checkpoint")  # rebuilt from the message log at the next open
+
+
+class ChunkError(ValueError):
+    """A replicated chunk that cannot be trusted: not whole records, or a record fails its CRC."""
+
+
+def whole_prefix(data: bytes) -> int:
+    """How many bytes at the start of `data` are whole records (by their size fields; CRCs are the
+    replica's to check). The master cuts what it reads at this length."""
+    position = 0
+    while len(data) - position >= rec.PREFIX.size:
+        size, magic = rec.PREFIX.unpack_from(data, position)
+        if magic != rec.MAGIC or size < rec.HEADER_SIZE:
+            raise ChunkError(f"no record at byte {position} of the chunk (bad magic or size)")
+        if position + size > len(data):
+            break
+        position += size
+    return position
+
+
+def first_record_size(data: bytes) -> int:
+    """The size of the record whose header starts `data` (at least 8 bytes)."""
+    size, magic = rec.PREFIX.unpack_from(data, 0)
+    if magic != rec.MAGIC or size < rec.HEADER_SIZE:
+        raise ChunkError("no record at the start of the chunk (bad magic or size)")
+    return size
+
+
+def split_chunk(data: bytes, offset: int) -> tuple[list[bytes], list[rec.Record]]:
+    """The records of a chunk that belongs at log `offset`, each CRC-checked: (their bytes, the
+    decoded records). Raises `ChunkError` if the chunk is not exactly whole, valid records."""
+    pieces: list[bytes] = []
+    records: list[rec.Record] = []
+    view = memoryview(data)
+    position = 0
+    while position < len(data):
+        try:
+            record = rec.decode(data, position, offset)
+        except rec.RecordError as exc:
+            raise ChunkError(f"replicated chunk at offset {offset}: {exc}") from None
+        records.append(record)
+        pieces.append(bytes(view[position : position + record.size]))
+        position += record.size
+    return pieces, records
+
+
+def truncate_log(data_dir: Path, offset: int) -> int:
+    """Cut the message log of the (closed) store in `data_dir` back to `offset`, a record boundary.
+    The cut bytes are kept in `quarantine/`; the derived files go, to be rebuilt at the next open.
+    Returns how many bytes were cut."""
+    log_dir = data_dir / "messagelog"
+    quarantine = data_dir / "quarantine"
+    cut = 0
+    for base, path in reversed(list_segments(log_dir)):
+        size = path.stat().st_size
+        if base + size <= offset:
+            break
+        quarantine.mkdir(parents=True, exist_ok=True)
+        keep = max(0, offset - base)
+        saved = quarantine / f"{path.name}.{base + keep:020d}.truncated"
+        with path.open("rb") as src:
+            src.seek(keep)
+            saved.write_bytes(src.read())
+        cut += size - keep
+        if keep == 0 and base > 0:
+            path.unlink()
+        else:
+            with path.open("r+b") as f:
+                f.truncate(keep)
+                f.flush()
+                os.fsync(f.fileno())
+    fsync_dir(log_dir)
+    if cut:
+        for name in DERIVED_DIRS:
+            shutil.rmtree(data_dir / name, ignore_errors=True)
+        log.warning("message log cut back to offset %d: %d bytes kept in %s", offset, cut, quarantine)
+    return cut

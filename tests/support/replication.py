@@ -1,0 +1,103 @@
+"""Replicated broker groups as real processes (docs/replication.md): a meta server on a database of
+its own with short failover settings, brokers that join a group, and their roles read from
+BROKER_STATS."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from qmq.net.client import BlockingConnection
+from qmq.protocol.codes import RequestCode
+from tests.support.broker import ROOT, Broker, start_broker
+from tests.support.processes import free_port, wait_for_port
+
+HOST = "127.0.0.1"
+FAILOVER_AFTER_S = 2.0  # short, so tests fail over in seconds
+MAX_LAG = "1s"
+
+
+def start_meta(processes, db_url: str, *args: str, port: int | None = None, name: str = "meta") -> tuple[Any, int]:
+    port = port or free_port()
+    proc = processes.start(
+        ["-m", "qmq", "meta", "--port", str(port), "--db", db_url, "--failover-after", str(FAILOVER_AFTER_S), *args],
+        name=name,
+        env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": ""},
+    )
+    wait_for_port(port, proc)
+    return proc, port
+
+
+def start_member(
+    processes, data_dir: Path, meta: str, group: str, *args: str, port: int | None = None, name: str = "broker"
+) -> Broker:
+    return start_broker(
+        processes,
+        data_dir,
+        "--meta",
+        meta,
+        "--group",
+        group,
+        "--ack-replicas",
+        "1",
+        "--max-lag",
+        MAX_LAG,
+        *args,
+        port=port,
+        name=name,
+    )
+
+
+def replication(broker: Broker) -> dict[str, Any] | None:
+    """The broker's replication stats, or None while it cannot answer."""
+    try:
+        with BlockingConnection.open(HOST, broker.port, client_id="repl-test", token="", timeout=2) as conn:
+            return conn.request(RequestCode.BROKER_STATS, {}, timeout=5).get("replication")
+    except (OSError, ConnectionError, TimeoutError):
+        return None
+
+
+def wait_for(condition, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)  # polling another process's state: no event to await from here
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_role(broker: Broker, role: str, timeout: float = 60.0, epoch: int | None = None) -> dict[str, Any]:
+    def check():
+        stats = replication(broker)
+        if stats and stats["role"] == role and (epoch is None or stats["epoch"] >= epoch):
+            return stats
+        return None
+
+    return wait_for(check, f"{broker.address} to be {role}", timeout)
+
+
+def meta_in_sync(meta: str, group: str, replica: Broker, timeout: float = 30.0) -> None:
+    """Wait until the meta server heard from the master that `replica` is in sync (so it may promote it)."""
+    host, port = meta.split(",")[0].rsplit(":", 1)  # the database is shared: any of them knows
+
+    def check():
+        with BlockingConnection.open(host, int(port), client_id="repl-test", token="") as conn:
+            listing = conn.request(RequestCode.META_LIST, {})["replication"]
+        return any(g["group"] == group and replica.address in g["in_sync"] for g in listing)
+
+    wait_for(check, f"the meta server to know {replica.address} is in sync", timeout)
+
+
+def wait_in_sync(master: Broker, replica: Broker, timeout: float = 60.0) -> dict[str, Any]:
+    def check():
+        stats = replication(master)
+        if not stats or stats["role"] != "master":
+            return None
+        for r in stats.get("replicas", ()):
+            if r["address"] == replica.address and r["in_sync"]:
+                return stats
+        return None
+
+    return wait_for(check, f"{replica.address} in sync with {master.address}", timeout)

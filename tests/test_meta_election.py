@@ -1,0 +1,101 @@
+"""Masters, epochs and failover decisions (qmq/meta/election.py) on SQLite and PostgreSQL, with a
+clock the test moves: the first to report is master; a silent master is replaced by the in-sync
+replica with the longest log, one epoch up; only the lease holder decides; a master back with a
+wiped log is replaced at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from qmq.db.engine import create_engine
+from qmq.db.migrate import upgrade
+from qmq.meta.election import Election
+from tests.support.databases import sqlite_or_postgres
+from tests.test_meta_registry import Clock
+
+AFTER_S = 10.0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def engine(request, tmp_path):
+    with sqlite_or_postgres(request.param, request, tmp_path, "meta.sqlite3") as url:
+        upgrade(url)
+        engine = create_engine(url)
+        yield engine
+        engine.dispose()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def election(engine, clock, holder: str) -> Election:
+    return Election(engine, failover_after_s=AFTER_S, clock=clock, holder=holder)
+
+
+def test_first_reporter_is_master_and_a_silent_master_is_replaced(engine, clock) -> None:
+    e = election(engine, clock, "meta-1")
+    assert e.report("a:1", "g1", "pending", 0, 0, None).master == "a:1"
+    b = e.report("b:1", "g1", "pending", 0, 0, None)
+    assert (b.epoch, b.master, b.role_of("b:1"), b.members) == (1, "a:1", "replica", 1)
+    e.report("c:1", "g1", "replica", 1, 300, None)
+    e.report("b:1", "g1", "replica", 1, 500, None)
+    e.report("a:1", "g1", "master", 1, 600, ["b:1"])  # c is not in sync
+    assert e.sweep() == []  # everyone alive
+    clock.advance(AFTER_S / 2)
+    e.report("b:1", "g1", "replica", 1, 500, None)
+    e.report("c:1", "g1", "replica", 1, 300, None)
+    clock.advance(AFTER_S / 2 + 1)  # a silent for longer than failover_after
+    e.report("b:1", "g1", "replica", 1, 500, None)
+    e.report("c:1", "g1", "replica", 1, 900, None)  # longer log, but not in sync: never promoted
+    [failover] = e.sweep()
+    assert (failover.group, failover.epoch, failover.master, failover.old_master) == ("g1", 2, "b:1", "a:1")
+    assert e.report("a:1", "g1", "master", 1, 600, ["b:1"]).master == "b:1"  # the old master learns
+    assert e.sweep() == []
+
+
+def test_no_in_sync_replica_means_no_failover(engine, clock) -> None:
+    e = election(engine, clock, "meta-1")
+    e.report("a:1", "g1", "master", 1, 100, [])
+    e.report("b:1", "g1", "replica", 1, 100, None)
+    clock.advance(AFTER_S + 1)
+    e.report("b:1", "g1", "replica", 1, 100, None)
+    assert e.sweep() == []
+    assert e.assignment("g1").master == "a:1"
+
+
+def test_only_the_lease_holder_decides_and_another_takes_over_when_it_lapses(engine, clock) -> None:
+    first, second = election(engine, clock, "meta-1"), election(engine, clock, "meta-2")
+    first.report("a:1", "g1", "master", 1, 100, ["b:1"])
+    first.report("b:1", "g1", "replica", 1, 100, None)
+    clock.advance(AFTER_S)
+    first.report("b:1", "g1", "replica", 1, 100, None)
+    assert first.sweep() == []  # the master is just alive; meta-1 takes the lease for AFTER_S / 2
+    clock.advance(1)
+    second.report("b:1", "g1", "replica", 1, 100, None)
+    assert second.sweep() == []  # the master is silent now, but meta-1 holds the lease
+    clock.advance(AFTER_S / 2)
+    second.report("b:1", "g1", "replica", 1, 100, None)
+    [failover] = second.sweep()  # meta-1 died without deciding: its lease lapsed, meta-2 decides
+    assert (failover.epoch, failover.master) == (2, "b:1")
+    assert first.sweep() == []  # meta-1 back: not the holder, and nothing left to do
+
+
+def test_a_master_back_with_a_wiped_log_is_replaced_at_once(engine, clock) -> None:
+    e = election(engine, clock, "meta-1")
+    e.report("a:1", "g1", "master", 1, 1000, ["b:1"])
+    e.report("b:1", "g1", "replica", 1, 1000, None)
+    clock.advance(1)
+    e.report("a:1", "g1", "pending", 0, 0, None)  # restarted on an empty disk before any failover
+    [failover] = e.sweep()
+    assert (failover.epoch, failover.master) == (2, "b:1")
+
+
+def test_a_manual_switch_picks_an_in_sync_replica(engine, clock) -> None:
+    e = election(engine, clock, "meta-1")
+    e.report("a:1", "g1", "master", 1, 1000, ["b:1"])
+    e.report("b:1", "g1", "replica", 1, 1000, None)
+    assert e.switch("g1", to="c:1") is None
+    switched = e.switch("g1")
+    assert (switched.epoch, switched.master) == (2, "b:1")
