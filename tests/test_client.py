@@ -416,7 +416,7 @@ def test_cli_send_then_tail(brokers) -> None:
     started = time.monotonic()
     empty = qmq("tail", "cli.subject", "--group", "cli", *broker_args(brokers), "--timeout", "1")
     assert empty.returncode == 0 and empty.stdout == b"", empty.stderr.decode()
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 60  # ended by --timeout 1 (not a speed check: CI machines are loaded)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
