@@ -8,6 +8,7 @@ import click
 
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
+from qmq.cli.net_options import server_net_options
 from qmq.net.common import TOKEN_ENV
 from qmq.store.store import StoreError
 
@@ -21,6 +22,7 @@ ADVERTISE_EXTERNAL = click.option(
 
 
 @click.command("broker")
+@server_net_options
 @click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="the broker's store directory")
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="address to listen on")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)

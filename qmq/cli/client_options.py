@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
+from qmq.cli.net_options import tls_client_options
 from qmq.client import Client
 from qmq.client.routes import DEFAULT_META_ADDRESS, META_ENV
 from qmq.net.common import TOKEN_ENV
@@ -45,7 +46,7 @@ def client_options(fn: F) -> F:
         ]
     ):
         fn = option(fn)
-    return fn
+    return tls_client_options(fn)
 
 
 def make_client(

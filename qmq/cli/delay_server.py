@@ -12,6 +12,7 @@ from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S
 from delay_server.server import DEFAULT_HOST, DEFAULT_PORT, run
 from delay_server.service import DEFAULT_MAX_DELAY_S
 from qmq.cli.broker import ADVERTISE_EXTERNAL
+from qmq.cli.net_options import server_net_options
 from qmq.net.common import TOKEN_ENV
 from qmq.store.store import StoreError
 
@@ -19,6 +20,7 @@ DAY_S = 86400
 
 
 @click.command("delay-server")
+@server_net_options
 @click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="the delay server's directory")
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="address to listen on")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)

@@ -7,6 +7,7 @@ import logging
 import click
 import sqlalchemy as sa
 
+from qmq.cli.net_options import server_net_options
 from qmq.db.url import DB_URL_ENV, DEFAULT_META_DB_URL, resolve_url
 from qmq.meta.registry import UNAVAILABLE_AFTER_S
 from qmq.meta.server import DEFAULT_HOST, DEFAULT_PORT, run
@@ -14,6 +15,7 @@ from qmq.net.common import TOKEN_ENV
 
 
 @click.command("meta")
+@server_net_options
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="address to listen on")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
 @click.option(

@@ -58,6 +58,7 @@ class Request:
     code: int
     body: dict[str, Any] | None
     oneway: bool = False
+    error: ProtocolError | None = None  # the request is refused with this before any handler sees it
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +120,8 @@ class Connection:
         self.token = token
         self.client_id = client_id
         self.handshake_done = False  # server: a handshake was accepted; client: its reply arrived
-        self._decoder = FrameDecoder(limits)
+        # A server reads small frames only until the client has passed the handshake.
+        self._decoder = FrameDecoder(limits, limits.max_handshake_frame_bytes if role is Role.SERVER else None)
         self._error: ProtocolError | None = None
         self._handshake_sent = False
         self._handshake_id: int | None = None
@@ -130,6 +132,11 @@ class Connection:
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._decoder.feed(data)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not yet turned into events: what this connection holds in memory."""
+        return self._decoder.buffered_bytes
 
     def next_event(self) -> Event | Literal[_NeedData.NEED_DATA]:
         if self._error is not None:
@@ -150,6 +157,8 @@ class Connection:
         if frame.is_response:
             raise ProtocolError(ErrorCode.BAD_FRAME, "a client sent a reply frame")
         if not self.handshake_done:
+            if frame.error is not None:
+                raise ProtocolError(frame.error.code, frame.error.message)
             if frame.code != RequestCode.HANDSHAKE:
                 raise ProtocolError(
                     ErrorCode.HANDSHAKE_REQUIRED, f"the first request must be a handshake, not {frame.code}"
@@ -157,7 +166,7 @@ class Connection:
             return self._accept_handshake(frame)
         if frame.code == RequestCode.HANDSHAKE:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a second handshake on one connection")
-        return Request(frame.request_id, frame.code, frame.body, frame.oneway)
+        return Request(frame.request_id, frame.code, frame.body, frame.oneway, frame.error)
 
     def _accept_handshake(self, frame: Frame) -> HandshakeAccepted:
         body = frame.body or {}
@@ -180,6 +189,7 @@ class Connection:
                 ErrorCode.UNAUTHORIZED, "a token is required" if token is None else "the token is wrong"
             )
         self.handshake_done = True
+        self._decoder.max_frame_bytes = self.limits.max_frame_bytes
         reply = self.send_response(
             frame.request_id,
             RequestCode.HANDSHAKE,
@@ -190,6 +200,8 @@ class Connection:
     def _client_event(self, frame: Frame) -> Event | None:
         if not frame.is_response:
             raise ProtocolError(ErrorCode.BAD_FRAME, "a server sent a request frame")
+        if frame.error is not None:
+            raise ProtocolError(ErrorCode.BAD_BODY, f"a reply broke a limit: {frame.error.message}")
         if frame.is_error:
             body = frame.body or {}
             code, message = body.get("code"), body.get("message")

@@ -22,6 +22,7 @@ class ErrorCode(IntEnum):
     TIMEOUT = 12
     READ_ONLY = 13  # this broker group takes no new messages now: send to another group
     UNKNOWN_CONSUMER = 14  # an ack or nack for a subject, group or consumer this broker never served
+    FORBIDDEN = 15  # the credential may not do this (a subject outside its ACL, administration)
     INTERNAL = 99
 
 
