@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 CONNECTIONS_PER_SERVER = 4
-PIPELINE = 32  # fuzzed frames written before waiting for the answers to catch up
+PIPELINE = 16  # fuzzed frames written before waiting for the answers to catch up
 ANSWER_WAIT_S = 2.0  # how long a fuzzing connection waits for a batch's answers before moving on
 MANGLED_SHARE = 0.3  # of the batches, the share that ends with a frame whose bytes are mangled
 CANARY_INTERVAL_S = 0.005
@@ -415,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             lat = timing["latencies"][kind]
             answers = ", ".join(f"{name} {count}" for name, count in tally.answers.most_common())
             print(
-                f"  {kind:6} {tally.frames} frames, {tally.reconnects} connections; canary {len(lat)} requests "
+                f"  {kind:6} {tally.frames} frames ({sum(tally.answers.values())} answered: the rest followed a "
+                f"fatal error in their pipeline), {tally.reconnects} connections; canary {len(lat)} requests "
                 f"p50 {percentile(lat, 50) * 1000:.1f} ms p99 {percentile(lat, 99) * 1000:.1f} ms; answers: {answers}"
             )
             failures.extend(tally.internal[:20])

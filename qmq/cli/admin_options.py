@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
+from qmq.cli.net_options import tls_client_options
 from qmq.client import ClientError
 from qmq.client.blocking import Admin
 from qmq.client.routes import DEFAULT_META_ADDRESS, META_ENV
@@ -54,7 +55,7 @@ def admin_options(fn: F) -> F:
         ]
     ):
         fn = option(fn)
-    return fn
+    return tls_client_options(fn)
 
 
 @contextmanager

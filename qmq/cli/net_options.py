@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from qmq.net import guard
+from qmq.net.auth import MetaAuthenticator
 from qmq.net.options import configure_server
 from qmq.net.tls import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, ClientTLS, configure_client, server_context
 
@@ -106,7 +107,12 @@ def server_net_options(fn: F) -> F:
             idle_timeout_s=values["idle_timeout"] or None,
             slow_read_timeout_s=values["slow_read_timeout"] or None,
         )
-        configure_server(net_limits=limits, tls=server_context(cert, key, client_ca) if cert else None)
+        # Brokers and delay servers with a meta server and a token take per-application credentials
+        # too, checked by the meta server (the meta server checks its own, qmq/meta/server.py).
+        meta, token = kwargs.get("meta"), kwargs.get("token")
+        authenticator = MetaAuthenticator(meta, token) if meta and token else None
+        tls = server_context(cert, key, client_ca) if cert else None
+        configure_server(net_limits=limits, tls=tls, authenticator=authenticator)
         return fn(*args, **kwargs)
 
     return tls_client_options(

@@ -123,6 +123,9 @@ class AsyncAdmin(AdminCore, AsyncClient):
     group_create = awaiting(AdminCore.group_create)
     group_delete = awaiting(AdminCore.group_delete)
     lookup = awaiting(AdminCore.lookup)
+    credential_create = awaiting(AdminCore.credential_create)
+    credential_list = awaiting(AdminCore.credential_list)
+    credential_revoke = awaiting(AdminCore.credential_revoke)
 
 
 class AsyncSubscription(SubscriptionCore):

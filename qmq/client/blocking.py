@@ -138,6 +138,9 @@ class Admin(AdminCore, Client):
     group_create = blocking(AdminCore.group_create)
     group_delete = blocking(AdminCore.group_delete)
     lookup = blocking(AdminCore.lookup)
+    credential_create = blocking(AdminCore.credential_create)
+    credential_list = blocking(AdminCore.credential_list)
+    credential_revoke = blocking(AdminCore.credential_revoke)
 
 
 class Subscription(SubscriptionCore):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, replace
 
+from qmq.net.auth import Authenticator
 from qmq.net.guard import DEFAULT_NET_LIMITS, NetLimits
 
 
@@ -22,6 +23,9 @@ class ServerOptions:
 
     net_limits: NetLimits = DEFAULT_NET_LIMITS
     tls: ssl.SSLContext | None = None  # a server-side context: listeners speak TLS
+    # Checks per-application credentials presented in handshakes (`qmq.net.auth`); None: only the
+    # shared token is accepted.
+    authenticator: Authenticator | None = None
 
 
 _server_options = ServerOptions()

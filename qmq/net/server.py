@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from qmq.net.acl import Principal
+from qmq.net.auth import CHECK_CACHE_S, Authenticator
 from qmq.net.common import READ_CHUNK_BYTES
 from qmq.net.guard import ConnectionCaps, MemoryBudget, NetLimits
 from qmq.net.options import server_options
@@ -47,6 +49,8 @@ class PeerInfo:
     host: str
     port: int
     client_id: str = ""
+    principal: Principal | None = None  # a per-application credential's rights; None: the shared token
+    checked_at: float = 0.0  # when the credential was last checked (loop time)
 
     def __str__(self) -> str:
         return f"{self.client_id or '?'}@{self.host}:{self.port}"
@@ -73,12 +77,14 @@ class Server:
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         net_limits: NetLimits | None = None,
         tls: ssl.SSLContext | None = None,
+        authenticator: Authenticator | None = None,
     ) -> None:
         """`token`: the token every client must present; None lets anyone in. Port 0 picks a free
         port, see `port` after `start()`. A connection without a handshake after
         `handshake_timeout_s` gets a HANDSHAKE_REQUIRED error frame and is closed. `net_limits`
         (connections, memory, timeouts) and `tls` (a server-side SSL context) default to the
-        process's `qmq.net.options.server_options()`."""
+        process's `qmq.net.options.server_options()`, and so does `authenticator`, which lets clients
+        with a per-application credential in (only when a `token` is set; docs/security.md)."""
         options = server_options()
         self.handler = handler
         self.host = host
@@ -87,6 +93,7 @@ class Server:
         self.handshake_timeout_s = handshake_timeout_s
         self.net_limits = net_limits or options.net_limits
         self.tls = tls if tls is not None else options.tls
+        self.authenticator = authenticator or options.authenticator
         self.budget = MemoryBudget(self.net_limits.memory_budget_bytes)
         self.caps = ConnectionCaps(self.net_limits)
         self._port = port
@@ -153,6 +160,7 @@ async def serve(
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     net_limits: NetLimits | None = None,
     tls: ssl.SSLContext | None = None,
+    authenticator: Authenticator | None = None,
 ) -> Server:
     """Start a `Server` listening on host:port and return it; `await server.close()` to stop."""
     server = Server(
@@ -164,6 +172,7 @@ async def serve(
         handshake_timeout_s=handshake_timeout_s,
         net_limits=net_limits,
         tls=tls,
+        authenticator=authenticator,
     )
     await server.start()
     return server
@@ -185,7 +194,10 @@ class _ServerConnection:
         self.writer = writer
         peername = writer.get_extra_info("peername") or ("?", 0)
         self.peer = PeerInfo(host=str(peername[0]), port=int(peername[1]))
-        self.conn = Connection(Role.SERVER, limits=server.limits, token=server.token)
+        self.conn = Connection(
+            Role.SERVER, limits=server.limits, token=server.token, accept_credentials=server.authenticator is not None
+        )
+        self.credential: str | None = None
         self.slots = asyncio.Semaphore(MAX_IN_FLIGHT_PER_CONNECTION)
         self.tasks: set[asyncio.Task[None]] = set()
         self.requests = 0
@@ -254,9 +266,14 @@ class _ServerConnection:
                 size, buffered = buffered - self.conn.buffered_bytes, self.conn.buffered_bytes
                 if isinstance(event, HandshakeAccepted):
                     self.peer.client_id = event.client_id
+                    if event.credential is not None:
+                        self.credential = event.credential
+                        await self._authenticate()
                     log.info("connection %s open", self.peer)
                     self._write(event.reply)
                 elif isinstance(event, Request):
+                    if self.credential is not None and self._stale_credential():
+                        await self._authenticate()
                     await self.slots.acquire()  # backpressure: stop reading while the connection is full
                     self.requests += 1
                     self.request_bytes += size
@@ -264,6 +281,24 @@ class _ServerConnection:
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
             self._account()
+
+    def _stale_credential(self) -> bool:
+        return asyncio.get_running_loop().time() - self.peer.checked_at > CHECK_CACHE_S
+
+    async def _authenticate(self) -> None:
+        """Check the connection's credential (at the handshake, then every CHECK_CACHE_S): a fatal
+        UNAUTHORIZED when it stands for nothing (any more), UNAVAILABLE when it cannot be checked."""
+        assert self.server.authenticator is not None and self.credential is not None
+        try:
+            principal = await self.server.authenticator.authenticate(self.credential)
+        except Exception as exc:
+            raise ProtocolError(ErrorCode.UNAVAILABLE, f"cannot check the credential now: {exc}") from None
+        if principal is None:
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, "the token is wrong (unknown or revoked credential)")
+        if self.peer.principal is None:
+            log.info("connection %s: credential %s of application %s", self.peer, principal.id, principal.app)
+        self.peer.principal = principal
+        self.peer.checked_at = asyncio.get_running_loop().time()
 
     async def _read(self, handshake_deadline: float) -> bytes:
         """The next chunk of input (b"" at the end), within the handshake deadline until the

@@ -34,6 +34,7 @@ from qmq.protocol.limits import DEFAULT_LIMITS, Limits
 
 CONNECTION_REQUEST_ID = 0  # the request id of error frames about the whole connection
 MAX_CLIENT_ID_LEN = 200  # characters
+MAX_TOKEN_LEN = 512  # characters of a credential presented in a handshake
 MAX_ERROR_MESSAGE_LEN = 1000  # characters; longer messages are cut so an error frame stays small
 
 
@@ -92,6 +93,9 @@ class HandshakeAccepted:
     client_id: str
     version: int
     reply: bytes
+    # Set when the client presented a token other than the shared one to a server that takes
+    # per-application credentials: the server must check it (`qmq.net.server`) before writing `reply`.
+    credential: str | None = None
 
 
 Event = Request | Response | ErrorReply | HandshakeAccepted
@@ -112,10 +116,14 @@ class Connection:
         limits: Limits = DEFAULT_LIMITS,
         token: str | None = None,
         client_id: str = "",
+        accept_credentials: bool = False,
     ) -> None:
         """`token`: on a server, the token every client must present (None: no token needed); on a
-        client, the token to present. `client_id` names a client in the server's logs."""
+        client, the token to present. `client_id` names a client in the server's logs. A server with
+        `accept_credentials` also lets a handshake with another token through, marked as a
+        credential for the server to check."""
         self.role = role
+        self.accept_credentials = accept_credentials
         self.limits = limits
         self.token = token
         self.client_id = client_id
@@ -182,12 +190,15 @@ class Connection:
             raise ProtocolError(
                 ErrorCode.BAD_BODY, f"handshake needs a 'client_id' of 1-{MAX_CLIENT_ID_LEN} characters"
             )
+        credential = None
         if self.token is not None and not (
             isinstance(token, str) and hmac.compare_digest(token.encode(), self.token.encode())
         ):
-            raise ProtocolError(
-                ErrorCode.UNAUTHORIZED, "a token is required" if token is None else "the token is wrong"
-            )
+            if not (self.accept_credentials and isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_LEN):
+                raise ProtocolError(
+                    ErrorCode.UNAUTHORIZED, "a token is required" if token is None else "the token is wrong"
+                )
+            credential = token
         self.handshake_done = True
         self._decoder.max_frame_bytes = self.limits.max_frame_bytes
         reply = self.send_response(
@@ -195,7 +206,7 @@ class Connection:
             RequestCode.HANDSHAKE,
             {"version": PROTOCOL_VERSION, "max_frame_bytes": self.limits.max_frame_bytes},
         )
-        return HandshakeAccepted(client_id=client_id, version=version, reply=reply)
+        return HandshakeAccepted(client_id=client_id, version=version, reply=reply, credential=credential)
 
     def _client_event(self, frame: Frame) -> Event | None:
         if not frame.is_response:
