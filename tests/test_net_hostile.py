@@ -178,6 +178,8 @@ def test_pre_handshake_floods_leave_memory_bounded_and_others_answered(processes
         for name, (proc, _) in targets.items():
             assert proc.poll() is None, f"{name} died"
             growth = rss(proc.pid, "VmHWM") - baseline[name]
+            slowest_ms = max(latencies[name], default=0) * 1000
+            print(f"{name}: peak RSS +{growth / 2**20:.1f} MiB, slowest ping {slowest_ms:.0f} ms")
             assert growth < RSS_GROWTH_LIMIT_BYTES, f"{name}'s peak RSS grew {growth / 2**20:.0f} MiB"
             logged = Path(proc.log_path).stat().st_size - log_sizes[name]
             assert logged < LOG_LIMIT_BYTES, f"{name} logged {logged} bytes"
