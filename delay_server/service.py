@@ -45,7 +45,12 @@ _DUE_PACK = records.DUE.pack
 
 
 def iso(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+    """`ms` since the epoch in ISO 8601, or a plain count for a time no calendar date can hold (a
+    client may send any integer: the error naming it must not fail)."""
+    try:
+        return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+    except (ValueError, OverflowError, OSError):
+        return f"{ms} ms since the epoch"
 
 
 class DelayService(Service):

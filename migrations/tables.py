@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+import qmq.meta.credentials
 import qmq.meta.schema
 import qmq.outbox.schema
 import worker.schema
 from qmq.db.metadata import metadata
 
-SCHEMA_MODULES = (qmq.meta.schema, qmq.outbox.schema, worker.schema)
+SCHEMA_MODULES = (qmq.meta.schema, qmq.meta.credentials, qmq.outbox.schema, worker.schema)
 
 
 def all_tables() -> sa.MetaData:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import click
 
+from qmq.cli.admin_credentials import credentials
 from qmq.cli.admin_dead import dead
 from qmq.cli.admin_failover import failover
 from qmq.cli.admin_groups import group, reset
@@ -18,5 +19,5 @@ def admin() -> None:
     """Operate a running cluster: figures, dead letters, positions, look-ups, workers."""
 
 
-for command in (stats, dead, reset, group, lookup, inspect, failover):
+for command in (stats, dead, reset, group, lookup, inspect, failover, credentials):
     admin.add_command(command)

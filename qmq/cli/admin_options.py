@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from qmq.cli.net_options import tls_client_options
 from qmq.cli.options import (
     brokers_option,
     choose_meta,
@@ -30,6 +31,7 @@ MAX_CELL = 60  # characters of a table cell; --json has everything
 
 
 admin_options = stacked(
+    tls_client_options,
     meta_option(),
     brokers_option("a broker to ask directly, without a meta server (repeat for several)"),
     delay_servers_option("a delay server to ask directly (repeat for several)"),

@@ -8,6 +8,7 @@ import click
 
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
+from qmq.cli.net_options import server_net_options
 from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
 from qmq.cli.time_options import DURATION
 from qmq.net.common import TOKEN_ENV
@@ -32,6 +33,7 @@ ADVERTISE_EXTERNAL = click.option(
 
 
 @click.command("broker")
+@server_net_options
 @click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="the broker's store directory")
 @listen_options(DEFAULT_HOST, DEFAULT_PORT)
 @click.option("--meta", envvar="QMQ_META", default=None, help="meta server host:port [env QMQ_META]; none: serve alone")

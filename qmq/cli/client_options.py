@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from qmq.cli.net_options import tls_client_options
 from qmq.cli.options import (
     brokers_option,
     choose_meta,
@@ -18,7 +19,7 @@ from qmq.cli.options import (
 )
 from qmq.client import Client
 
-client_options = stacked(meta_option(), brokers_option(), token_option(), log_level_option())
+client_options = stacked(tls_client_options, meta_option(), brokers_option(), token_option(), log_level_option())
 """--meta, --broker, --token and --log-level, in that order in --help."""
 
 

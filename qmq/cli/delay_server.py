@@ -12,6 +12,7 @@ from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S
 from delay_server.server import DEFAULT_HOST, DEFAULT_PORT, run
 from delay_server.service import DEFAULT_MAX_DELAY_S
 from qmq.cli.broker import ADVERTISE, ADVERTISE_EXTERNAL, CLIENTS_TOKEN_HELP
+from qmq.cli.net_options import server_net_options
 from qmq.cli.options import (
     brokers_option,
     listen_options,
@@ -36,6 +37,7 @@ CLOCK_FILE_HELP = "for tests: a file holding seconds to add to the clock, re-rea
 
 
 @click.command("delay-server")
+@server_net_options
 @click.option("--data-dir", required=True, type=click.Path(file_okay=False), help="the delay server's directory")
 @listen_options(DEFAULT_HOST, DEFAULT_PORT)
 @meta_option("meta server [env QMQ_META]: register there and deliver to the brokers of its routes")

@@ -8,6 +8,7 @@ import click
 import sqlalchemy as sa
 
 from qmq.cli.broker import CLIENTS_TOKEN_HELP
+from qmq.cli.net_options import server_net_options
 from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
 from qmq.db.url import DB_URL_ENV, DEFAULT_META_DB_URL, resolve_url
 from qmq.meta.election import FAILOVER_AFTER_S
@@ -18,6 +19,7 @@ FAILOVER_HELP = "seconds without a heartbeat from a replicated group's master be
 
 
 @click.command("meta")
+@server_net_options
 @listen_options(DEFAULT_HOST, DEFAULT_PORT)
 @click.option(
     "--external-port",

@@ -271,6 +271,33 @@ class AdminCore:
         delayed = yield from self._ask_delay_servers(RequestCode.DELAY_LOOKUP, body, cluster)
         return brokers, delayed
 
+    # ---- per-application credentials (the meta server keeps them; docs/security.md) ----------------
+
+    def credential_create(
+        self, app: str, produce: Iterable[str] = (), consume: Iterable[str] = (), admin: bool = False
+    ) -> Steps[dict[str, Any]]:
+        """A new credential for `app`: its id, rights and token (shown this once)."""
+        body = {"app": app, "produce": list(produce), "consume": list(consume), "admin": admin}
+        return (yield from self._ask_meta(RequestCode.META_CREDENTIAL_CREATE, body))
+
+    def credential_list(self) -> Steps[list[dict[str, Any]]]:
+        """Every credential, revoked ones included (never a secret)."""
+        reply = yield from self._ask_meta(RequestCode.META_CREDENTIAL_LIST, {})
+        return reply.get("credentials", [])
+
+    def credential_revoke(self, credential_id: str) -> Steps[bool]:
+        """Revoke a credential: refused everywhere within the servers' check cache (10 s)."""
+        reply = yield from self._ask_meta(RequestCode.META_CREDENTIAL_REVOKE, {"id": credential_id})
+        return bool(reply.get("revoked"))
+
+    def _ask_meta(self, code: int, body: dict[str, Any]) -> Steps[dict[str, Any]]:
+        if self.meta is None:
+            raise ClientError("credentials are kept by the meta server: give --meta")
+        reply = yield Call(self.meta, code, body, ADMIN_TIMEOUT_S)
+        if isinstance(reply, BaseException):
+            raise ClientError(f"the meta server at {self.meta}: {describe_error(reply)}")
+        return reply or {}
+
 
 def position_body(subject: str, group: str, to: str | int, time_ms: int | None) -> dict[str, Any]:
     body: dict[str, Any] = {"subject": subject, "group": group, "to": to}

@@ -124,6 +124,9 @@ class AsyncAdmin(AdminCore, AsyncClient):
     group_delete = awaiting(AdminCore.group_delete)
     lookup = awaiting(AdminCore.lookup)
     failover = awaiting(AdminCore.failover)
+    credential_create = awaiting(AdminCore.credential_create)
+    credential_list = awaiting(AdminCore.credential_list)
+    credential_revoke = awaiting(AdminCore.credential_revoke)
 
 
 class AsyncSubscription(SubscriptionCore):

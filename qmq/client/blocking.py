@@ -139,6 +139,9 @@ class Admin(AdminCore, Client):
     group_delete = blocking(AdminCore.group_delete)
     lookup = blocking(AdminCore.lookup)
     failover = blocking(AdminCore.failover)
+    credential_create = blocking(AdminCore.credential_create)
+    credential_list = blocking(AdminCore.credential_list)
+    credential_revoke = blocking(AdminCore.credential_revoke)
 
 
 class Subscription(SubscriptionCore):

@@ -21,6 +21,7 @@ from prometheus_client import Gauge
 from qmq import metrics
 from qmq.db.engine import create_engine, safe_url
 from qmq.db.migrate import upgrade
+from qmq.meta.credentials import CredentialStore, LocalAuthenticator, credential_handlers
 from qmq.meta.election import FAILOVER_AFTER_S, Election
 from qmq.meta.listeners import external_view, internal_view, viewed
 from qmq.meta.registry import (
@@ -88,6 +89,8 @@ class MetaService(Service):
         self._db_ok = True
         self._live_servers: set[str] | None = None  # None until the first sweep
         self._live_groups: set[str] | None = None
+        self.credentials = CredentialStore(registry.engine)
+        self.handlers |= credential_handlers(self.credentials, self._db)
         self.handlers |= {
             RequestCode.META_REGISTER: self._register,
             RequestCode.META_HEARTBEAT: self._register,
@@ -295,11 +298,21 @@ async def serve_meta(
     if metrics_port is not None:
         metrics_port = metrics.serve(REGISTRY, host, metrics_port)
         log.info("metrics on http://%s:%d/metrics", host, metrics_port)
-    server = Server(viewed(service.handle, internal_view), host=host, port=port, token=token)
+    authenticator = LocalAuthenticator(service.credentials)
+    server = Server(
+        viewed(service.handle, internal_view), host=host, port=port, token=token, authenticator=authenticator
+    )
     await server.start()
     servers = [server]
     if external_port is not None:
-        servers.append(Server(viewed(service.handle, external_view), host=host, port=external_port, token=token))
+        external = Server(
+            viewed(service.handle, external_view),
+            host=host,
+            port=external_port,
+            token=token,
+            authenticator=authenticator,
+        )
+        servers.append(external)
         await servers[-1].start()
         log.info("external listener on %s:%d (replies name external addresses)", host, servers[-1].port)
     log.info(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from typing import Any
 
 from qmq.net.common import (
@@ -20,6 +21,7 @@ from qmq.net.common import (
     fresh_copy,
     settle,
 )
+from qmq.net.tls import client_context, closed_before_handshake_hint
 from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import DEFAULT_LIMITS, Limits
 
@@ -38,6 +40,7 @@ class AsyncConnection:
         self._side = side
         self._reader_task: asyncio.Task[None] | None = None
         self._out: list[bytes] = []  # frames waiting for the end of this loop iteration
+        self._tls = False
 
     @classmethod
     async def open(
@@ -49,13 +52,22 @@ class AsyncConnection:
         token: str | None = None,
         timeout: float = CONNECT_TIMEOUT_S,
         limits: Limits = DEFAULT_LIMITS,
+        tls: ssl.SSLContext | None = None,
     ) -> AsyncConnection:
-        """Connect and handshake. `token` defaults to `$QMQ_TOKEN`. Raises `RemoteError` when the
-        server refuses the handshake (UNAUTHORIZED, UNSUPPORTED_VERSION, ...), `TimeoutError`, or
-        `OSError` when nothing listens."""
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port)
+        """Connect and handshake. `token` defaults to `$QMQ_TOKEN`, `tls` to the process's client
+        TLS settings (`qmq.net.tls.client_context()`: none means plain TCP). Raises `RemoteError`
+        when the server refuses the handshake (UNAUTHORIZED, UNSUPPORTED_VERSION, ...),
+        `TimeoutError`, `ConnectionError` when the TLS handshake fails, or `OSError` when nothing
+        listens."""
+        if tls is None:
+            tls = client_context()
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port, ssl=tls)
+        except ssl.SSLError as exc:
+            raise ConnectionError(f"TLS with {host}:{port} failed: {exc.reason or exc}") from None
         self = cls(reader, writer, ClientSide(f"{host}:{port}", client_id=client_id, token=token, limits=limits))
+        self._tls = tls is not None
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"qmq-reader-{self.address}")
         try:
             future: _Reply = asyncio.get_running_loop().create_future()
@@ -129,7 +141,8 @@ class AsyncConnection:
             while True:
                 data = await self._reader.read(READ_CHUNK_BYTES)
                 if not data:
-                    error = ConnectionError(f"connection to {self.address} was closed by the server")
+                    hint = "" if self._side.protocol.handshake_done else closed_before_handshake_hint(self._tls)
+                    error = ConnectionError(f"connection to {self.address} was closed by the server{hint}")
                     return
                 for waiter, outcome in self._side.receive(data):
                     settle(waiter, outcome)

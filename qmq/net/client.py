@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -25,6 +26,7 @@ from qmq.net.common import (
     fresh_copy,
     settle,
 )
+from qmq.net.tls import client_context, closed_before_handshake_hint
 from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import DEFAULT_LIMITS, Limits
 
@@ -51,6 +53,7 @@ class BlockingConnection:
         self._pid = os.getpid()
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
+        self._tls = isinstance(sock, ssl.SSLSocket)
         self._reader = threading.Thread(target=self._read_loop, name=f"qmq-reader-{self.address}", daemon=True)
 
     @classmethod
@@ -63,12 +66,26 @@ class BlockingConnection:
         token: str | None = None,
         timeout: float = CONNECT_TIMEOUT_S,
         limits: Limits = DEFAULT_LIMITS,
+        tls: ssl.SSLContext | None = None,
     ) -> BlockingConnection:
-        """Connect and handshake. `token` defaults to `$QMQ_TOKEN`. Raises `RemoteError` when the
-        server refuses the handshake (UNAUTHORIZED, UNSUPPORTED_VERSION, ...), `TimeoutError`, or
-        `OSError` when nothing listens."""
+        """Connect and handshake. `token` defaults to `$QMQ_TOKEN`, `tls` to the process's client
+        TLS settings (`qmq.net.tls.client_context()`: none means plain TCP). Raises `RemoteError`
+        when the server refuses the handshake (UNAUTHORIZED, UNSUPPORTED_VERSION, ...),
+        `TimeoutError`, `ConnectionError` when the TLS handshake fails, or `OSError` when nothing
+        listens."""
+        if tls is None:
+            tls = client_context()
         sock = socket.create_connection((host, port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            try:
+                sock = tls.wrap_socket(sock, server_hostname=host)
+            except ssl.SSLError as exc:
+                sock.close()
+                raise ConnectionError(f"TLS with {host}:{port} failed: {exc.reason or exc}") from None
+            except BaseException:
+                sock.close()
+                raise
         sock.settimeout(None)  # the reader thread blocks in recv(); waits are bounded per request
         self = cls(sock, ClientSide(f"{host}:{port}", client_id=client_id, token=token, limits=limits))
         self._reader.start()
@@ -150,7 +167,8 @@ class BlockingConnection:
             raise TimeoutError(f"no reply from {self.address} within {timeout:g} s") from None
 
     def _read_loop(self) -> None:
-        error = ConnectionError(f"connection to {self.address} was closed by the server")
+        hint = closed_before_handshake_hint(self._tls)
+        error = ConnectionError(f"connection to {self.address} was closed by the server{hint}")
         try:
             while data := self._sock.recv(READ_CHUNK_BYTES):
                 with self._state_lock:
@@ -160,6 +178,8 @@ class BlockingConnection:
                 if refused:  # the server refused the whole connection, and closes it next
                     self._lose(self._side.error)
                     return
+                if self._side.protocol.handshake_done:
+                    error = ConnectionError(f"connection to {self.address} was closed by the server")
         except ProtocolError as exc:
             error = ConnectionError(f"{self.address} broke the protocol: {exc}")
         except OSError as exc:

@@ -14,11 +14,16 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from qmq.net.acl import Principal
+from qmq.net.auth import CHECK_CACHE_S, Authenticator
 from qmq.net.common import READ_CHUNK_BYTES
+from qmq.net.guard import ConnectionCaps, MemoryBudget, NetLimits
+from qmq.net.options import server_options
 from qmq.protocol.connection import (
     CONNECTION_REQUEST_ID,
     NEED_DATA,
@@ -44,6 +49,8 @@ class PeerInfo:
     host: str
     port: int
     client_id: str = ""
+    principal: Principal | None = None  # a per-application credential's rights; None: the shared token
+    checked_at: float = 0.0  # when the credential was last checked (loop time)
 
     def __str__(self) -> str:
         return f"{self.client_id or '?'}@{self.host}:{self.port}"
@@ -68,15 +75,27 @@ class Server:
         token: str | None = None,
         limits: Limits = DEFAULT_LIMITS,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        net_limits: NetLimits | None = None,
+        tls: ssl.SSLContext | None = None,
+        authenticator: Authenticator | None = None,
     ) -> None:
         """`token`: the token every client must present; None lets anyone in. Port 0 picks a free
         port, see `port` after `start()`. A connection without a handshake after
-        `handshake_timeout_s` gets a HANDSHAKE_REQUIRED error frame and is closed."""
+        `handshake_timeout_s` gets a HANDSHAKE_REQUIRED error frame and is closed. `net_limits`
+        (connections, memory, timeouts) and `tls` (a server-side SSL context) default to the
+        process's `qmq.net.options.server_options()`, and so does `authenticator`, which lets clients
+        with a per-application credential in (only when a `token` is set; docs/security.md)."""
+        options = server_options()
         self.handler = handler
         self.host = host
         self.limits = limits
         self.token = token
         self.handshake_timeout_s = handshake_timeout_s
+        self.net_limits = net_limits or options.net_limits
+        self.tls = tls if tls is not None else options.tls
+        self.authenticator = authenticator or options.authenticator
+        self.budget = MemoryBudget(self.net_limits.memory_budget_bytes)
+        self.caps = ConnectionCaps(self.net_limits)
         self._port = port
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -91,9 +110,10 @@ class Server:
         return len(self._connections)
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, self.host, self._port)
+        tls_options = {"ssl": self.tls, "ssl_handshake_timeout": self.handshake_timeout_s} if self.tls else {}
+        self._server = await asyncio.start_server(self._accept, self.host, self._port, **tls_options)
         self._port = self._server.sockets[0].getsockname()[1]
-        log.info("listening on %s:%d", self.host, self.port)
+        log.info("listening on %s:%d%s", self.host, self.port, " (TLS)" if self.tls else "")
 
     async def serve_forever(self) -> None:
         if self._server is None:
@@ -122,7 +142,10 @@ class Server:
         await self.close()
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.get_running_loop().create_task(_ServerConnection(self, reader, writer).run())
+        connection = _ServerConnection(self, reader, writer)
+        refusal = self.caps.admit(connection.peer.host)
+        run = connection.run() if refusal is None else connection.refuse(refusal)
+        task = asyncio.get_running_loop().create_task(run)
         self._connections.add(task)
         task.add_done_callback(self._connections.discard)
 
@@ -135,33 +158,75 @@ async def serve(
     token: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    net_limits: NetLimits | None = None,
+    tls: ssl.SSLContext | None = None,
+    authenticator: Authenticator | None = None,
 ) -> Server:
     """Start a `Server` listening on host:port and return it; `await server.close()` to stop."""
-    server = Server(handler, host=host, port=port, token=token, limits=limits, handshake_timeout_s=handshake_timeout_s)
+    server = Server(
+        handler,
+        host=host,
+        port=port,
+        token=token,
+        limits=limits,
+        handshake_timeout_s=handshake_timeout_s,
+        net_limits=net_limits,
+        tls=tls,
+        authenticator=authenticator,
+    )
     await server.start()
     return server
 
 
 class _ServerConnection:
-    """One accepted connection: a read loop that turns bytes into requests, and a task per request."""
+    """One accepted connection: a read loop that turns bytes into requests, and a task per request.
+
+    Memory: what the connection holds (input not yet turned into requests, plus the frames of the
+    requests not yet answered) is charged to the server's `MemoryBudget`; the connection stops
+    reading (TCP pushes back) while it holds `max_connection_bytes` or has
+    MAX_IN_FLIGHT_PER_CONNECTION requests in flight, and waits while the whole server is over its
+    budget."""
 
     def __init__(self, server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.server = server
+        self.limits = server.net_limits
         self.reader = reader
         self.writer = writer
         peername = writer.get_extra_info("peername") or ("?", 0)
         self.peer = PeerInfo(host=str(peername[0]), port=int(peername[1]))
-        self.conn = Connection(Role.SERVER, limits=server.limits, token=server.token)
+        self.conn = Connection(
+            Role.SERVER, limits=server.limits, token=server.token, accept_credentials=server.authenticator is not None
+        )
+        self.credential: str | None = None
         self.slots = asyncio.Semaphore(MAX_IN_FLIGHT_PER_CONNECTION)
         self.tasks: set[asyncio.Task[None]] = set()
         self.requests = 0
+        self.request_bytes = 0  # frames of the requests in flight
+        self.held_bytes = 0  # what is charged to the server's budget for this connection
+        self.room = asyncio.Event()  # set when a request in flight is answered
         self.output_closed = False  # after write_eof() nothing more may be written
         self.out: list[bytes] = []  # replies waiting for the end of this loop iteration
+        with contextlib.suppress(AttributeError, NotImplementedError):
+            writer.transport.set_write_buffer_limits(high=self.limits.write_buffer_bytes)
+
+    async def refuse(self, reason: str) -> None:
+        """A connection over a cap: tell the client why (an UNAVAILABLE error frame about the whole
+        connection, which its handshake raises as RemoteError) and close."""
+        _note_refusal(self.server, self.peer, reason)
+        try:
+            await self._close_with_error(ProtocolError(ErrorCode.UNAVAILABLE, f"connection refused: {reason}"))
+        except OSError:
+            pass
+        finally:
+            self.writer.close()
 
     async def run(self) -> None:
         reason = "closed by the peer"
         try:
             await self._read_loop()
+        except _Idle as exc:
+            reason = str(exc)
+            await self._close_with_error(ProtocolError(ErrorCode.TIMEOUT, reason))
         except ProtocolError as exc:
             reason = f"protocol error {exc.code.name}"
             log.warning("connection %s: %s, closing", self.peer, exc)
@@ -180,41 +245,115 @@ class _ServerConnection:
             await asyncio.gather(*self.tasks, return_exceptions=True)
             self._flush()
             self.writer.close()
+            self.server.budget.release(self.held_bytes)
+            self.held_bytes = 0
+            self.server.caps.leave(self.peer.host)
             with contextlib.suppress(OSError):
                 await self.writer.wait_closed()
             log.info("connection %s closed: %s, %d requests", self.peer, reason, self.requests)
 
     async def _read_loop(self) -> None:
-        timeout_s = self.server.handshake_timeout_s
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        deadline = asyncio.get_running_loop().time() + self.server.handshake_timeout_s
         while True:
-            if self.conn.handshake_done:
-                data = await self.reader.read(READ_CHUNK_BYTES)
-            else:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        data = await self.reader.read(READ_CHUNK_BYTES)
-                except TimeoutError:
-                    raise ProtocolError(ErrorCode.HANDSHAKE_REQUIRED, f"no handshake within {timeout_s:g} s") from None
+            await self._wait_for_room()
+            data = await self._read(deadline)
             if not data:
                 return
             self.conn.receive_data(data)
+            self._account()
+            buffered = self.conn.buffered_bytes
             while (event := self.conn.next_event()) is not NEED_DATA:
+                size, buffered = buffered - self.conn.buffered_bytes, self.conn.buffered_bytes
                 if isinstance(event, HandshakeAccepted):
                     self.peer.client_id = event.client_id
+                    if event.credential is not None:
+                        self.credential = event.credential
+                        await self._authenticate()
                     log.info("connection %s open", self.peer)
                     self._write(event.reply)
                 elif isinstance(event, Request):
+                    if self.credential is not None and self._stale_credential():
+                        await self._authenticate()
                     await self.slots.acquire()  # backpressure: stop reading while the connection is full
                     self.requests += 1
-                    task = asyncio.create_task(self._handle(event))
+                    self.request_bytes += size
+                    task = asyncio.create_task(self._handle(event, size))
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
+            self._account()
 
-    async def _handle(self, request: Request) -> None:
+    def _stale_credential(self) -> bool:
+        return asyncio.get_running_loop().time() - self.peer.checked_at > CHECK_CACHE_S
+
+    async def _authenticate(self) -> None:
+        """Check the connection's credential (at the handshake, then every CHECK_CACHE_S): a fatal
+        UNAUTHORIZED when it stands for nothing (any more), UNAVAILABLE when it cannot be checked."""
+        assert self.server.authenticator is not None and self.credential is not None
+        try:
+            principal = await self.server.authenticator.authenticate(self.credential)
+        except Exception as exc:
+            raise ProtocolError(ErrorCode.UNAVAILABLE, f"cannot check the credential now: {exc}") from None
+        if principal is None:
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, "the token is wrong (unknown or revoked credential)")
+        if self.peer.principal is None:
+            log.info("connection %s: credential %s of application %s", self.peer, principal.id, principal.app)
+        self.peer.principal = principal
+        self.peer.checked_at = asyncio.get_running_loop().time()
+
+    async def _read(self, handshake_deadline: float) -> bytes:
+        """The next chunk of input (b"" at the end), within the handshake deadline until the
+        handshake is done; raises `_Idle` when nothing comes for the idle timeout while no request
+        is in flight (a long poll in flight keeps a connection alive)."""
+        if not self.conn.handshake_done:
+            try:
+                async with asyncio.timeout_at(handshake_deadline):
+                    return await self.reader.read(READ_CHUNK_BYTES)
+            except TimeoutError:
+                timeout_s = self.server.handshake_timeout_s
+                raise ProtocolError(ErrorCode.HANDSHAKE_REQUIRED, f"no handshake within {timeout_s:g} s") from None
+        idle_s = self.limits.idle_timeout_s
+        if idle_s is None:
+            return await self.reader.read(READ_CHUNK_BYTES)
+        while True:
+            try:
+                async with asyncio.timeout(idle_s):
+                    return await self.reader.read(READ_CHUNK_BYTES)
+            except TimeoutError:
+                if not self.tasks:
+                    raise _Idle(f"idle for {idle_s:g} s (--idle-timeout)") from None
+
+    async def _wait_for_room(self) -> None:
+        """Wait while this connection holds its limit of bytes, then while the server is over its
+        memory budget (refusing the connection with UNAVAILABLE if that lasts `memory_wait_s`)."""
+        while self.request_bytes >= self.limits.max_connection_bytes:
+            self.room.clear()
+            await self.room.wait()
+        budget = self.server.budget
+        if budget.exhausted:
+            try:
+                await budget.wait(self.limits.memory_wait_s)
+            except TimeoutError:
+                raise ProtocolError(
+                    ErrorCode.UNAVAILABLE,
+                    f"the server's memory budget ({budget.limit_bytes // 2**20} MiB, --memory-budget) stayed "
+                    f"exhausted for {self.limits.memory_wait_s:g} s; try again later",
+                ) from None
+
+    def _account(self) -> None:
+        """Bring this connection's charge on the server's budget up to date."""
+        held = self.conn.buffered_bytes + self.request_bytes
+        if held > self.held_bytes:
+            self.server.budget.charge(held - self.held_bytes)
+        elif held < self.held_bytes:
+            self.server.budget.release(self.held_bytes - held)
+        self.held_bytes = held
+
+    async def _handle(self, request: Request, size: int) -> None:
         close_after = False
         try:
             try:
+                if request.error is not None:
+                    raise request.error
                 body = await self.server.handler(request, self.peer)
                 if body is not None and not isinstance(body, dict):
                     raise TypeError(f"handler returned {type(body).__name__}, not a dict or None")
@@ -234,10 +373,32 @@ class _ServerConnection:
                 log.warning("connection %s: fatal error on request code %d, closing", self.peer, request.code)
                 self._flush()
                 self.writer.close()
-            with contextlib.suppress(OSError):
-                await self.writer.drain()
+            await self._drain()
         finally:
+            self.request_bytes -= size
+            self._account()
+            self.room.set()
             self.slots.release()
+
+    async def _drain(self) -> None:
+        """Wait while the replies queued for the peer exceed the write buffer limit; a peer that
+        leaves them unread for `slow_read_timeout_s` is cut off (its connection aborted), so it
+        cannot make the server hold its replies for ever."""
+        timeout_s = self.limits.slow_read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.writer.drain()
+        except TimeoutError:  # (before OSError, of which it is a subclass)
+            queued = self.writer.transport.get_write_buffer_size()
+            log.warning(
+                "connection %s: %d bytes of replies left unread for %g s (--slow-read-timeout), cutting it off",
+                self.peer,
+                queued,
+                timeout_s,
+            )
+            self.writer.transport.abort()
+        except OSError:
+            pass  # the peer is gone: its read loop ends the connection
 
     def _write(self, data: bytes) -> None:
         """Queue `data`; what is queued goes out in one write at the end of this loop iteration, so
@@ -264,6 +425,23 @@ class _ServerConnection:
             async with asyncio.timeout(CLOSE_LINGER_S):
                 while await self.reader.read(READ_CHUNK_BYTES):
                     pass
+
+
+class _Idle(Exception):
+    """A connection stayed idle past the idle timeout."""
+
+
+REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most once per interval per server
+_last_refusal_log: dict[int, float] = {}
+
+
+def _note_refusal(server: Server, peer: PeerInfo, reason: str) -> None:
+    """Log a refused connection, at most once per REFUSAL_LOG_INTERVAL_S per server: a flood of
+    connections must not become a flood of log lines."""
+    now = asyncio.get_running_loop().time()
+    if now - _last_refusal_log.get(id(server), -REFUSAL_LOG_INTERVAL_S) >= REFUSAL_LOG_INTERVAL_S:
+        _last_refusal_log[id(server)] = now
+        log.warning("refusing connections (for instance %s): %s", peer, reason)
 
 
 def stop_on_signals() -> asyncio.Event:

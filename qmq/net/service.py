@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 from qmq.metrics import RequestMetrics
+from qmq.net.acl import authorize
 from qmq.net.server import PeerInfo
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.connection import Request
@@ -56,8 +57,11 @@ class Service:
                 raise ProtocolError(
                     ErrorCode.UNKNOWN_REQUEST, f"the {self.name} has no request code {request.code}", fatal=False
                 )
+            body = body_of(request.body)
+            if peer.principal is not None:
+                authorize(peer.principal, request.code, body)
             try:
-                return await handler(body_of(request.body))
+                return await handler(body)
             except self.storage_errors as exc:
                 cause = self.storage_failed(exc)
                 raise RemoteError(

@@ -55,6 +55,11 @@ class RequestCode(IntEnum):
     META_ROUTE = 203  # {"subject", "create": bool} -> {"subject", "groups": [...], "delay_servers": [...]}
     META_SET_READ_ONLY = 204  # {"group", "read_only": bool} -> {"group", "read_only", "changed"}
     META_LIST = 205  # {} -> {"groups", "servers", "routes", ...}: everything, for admins and tests
+    # Per-application credentials (docs/security.md); admin only.
+    META_CREDENTIAL_CREATE = 206  # {"app", "produce": [pattern], "consume": [pattern], "admin"} -> {..., "token"}
+    META_CREDENTIAL_LIST = 207  # {} -> {"credentials": [{"id", "app", "produce", "consume", "admin", ...}]}
+    META_CREDENTIAL_REVOKE = 208  # {"id"} -> {"revoked": bool}
+    META_CREDENTIAL_CHECK = 209  # {"token"} -> the credential's rights, or UNAUTHORIZED (servers ask)
 
     # Delay server (see docs/delay.md for the bodies).
     DELAY_SEND = 300  # {"messages": [{..., "deliver_at": ms}]} -> {"stored", "rejected"}, as BROKER_SEND

@@ -34,6 +34,7 @@ from qmq.protocol.limits import DEFAULT_LIMITS, Limits
 
 CONNECTION_REQUEST_ID = 0  # the request id of error frames about the whole connection
 MAX_CLIENT_ID_LEN = 200  # characters
+MAX_TOKEN_LEN = 512  # characters of a credential presented in a handshake
 MAX_ERROR_MESSAGE_LEN = 1000  # characters; longer messages are cut so an error frame stays small
 
 
@@ -58,6 +59,7 @@ class Request:
     code: int
     body: dict[str, Any] | None
     oneway: bool = False
+    error: ProtocolError | None = None  # the request is refused with this before any handler sees it
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,9 @@ class HandshakeAccepted:
     client_id: str
     version: int
     reply: bytes
+    # Set when the client presented a token other than the shared one to a server that takes
+    # per-application credentials: the server must check it (`qmq.net.server`) before writing `reply`.
+    credential: str | None = None
 
 
 Event = Request | Response | ErrorReply | HandshakeAccepted
@@ -111,15 +116,20 @@ class Connection:
         limits: Limits = DEFAULT_LIMITS,
         token: str | None = None,
         client_id: str = "",
+        accept_credentials: bool = False,
     ) -> None:
         """`token`: on a server, the token every client must present (None: no token needed); on a
-        client, the token to present. `client_id` names a client in the server's logs."""
+        client, the token to present. `client_id` names a client in the server's logs. A server with
+        `accept_credentials` also lets a handshake with another token through, marked as a
+        credential for the server to check."""
         self.role = role
+        self.accept_credentials = accept_credentials
         self.limits = limits
         self.token = token
         self.client_id = client_id
         self.handshake_done = False  # server: a handshake was accepted; client: its reply arrived
-        self._decoder = FrameDecoder(limits)
+        # A server reads small frames only until the client has passed the handshake.
+        self._decoder = FrameDecoder(limits, limits.max_handshake_frame_bytes if role is Role.SERVER else None)
         self._error: ProtocolError | None = None
         self._handshake_sent = False
         self._handshake_id: int | None = None
@@ -130,6 +140,11 @@ class Connection:
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._decoder.feed(data)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not yet turned into events: what this connection holds in memory."""
+        return self._decoder.buffered_bytes
 
     def next_event(self) -> Event | Literal[_NeedData.NEED_DATA]:
         if self._error is not None:
@@ -150,6 +165,8 @@ class Connection:
         if frame.is_response:
             raise ProtocolError(ErrorCode.BAD_FRAME, "a client sent a reply frame")
         if not self.handshake_done:
+            if frame.error is not None:
+                raise ProtocolError(frame.error.code, frame.error.message)
             if frame.code != RequestCode.HANDSHAKE:
                 raise ProtocolError(
                     ErrorCode.HANDSHAKE_REQUIRED, f"the first request must be a handshake, not {frame.code}"
@@ -157,7 +174,7 @@ class Connection:
             return self._accept_handshake(frame)
         if frame.code == RequestCode.HANDSHAKE:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a second handshake on one connection")
-        return Request(frame.request_id, frame.code, frame.body, frame.oneway)
+        return Request(frame.request_id, frame.code, frame.body, frame.oneway, frame.error)
 
     def _accept_handshake(self, frame: Frame) -> HandshakeAccepted:
         body = frame.body or {}
@@ -173,23 +190,29 @@ class Connection:
             raise ProtocolError(
                 ErrorCode.BAD_BODY, f"handshake needs a 'client_id' of 1-{MAX_CLIENT_ID_LEN} characters"
             )
+        credential = None
         if self.token is not None and not (
             isinstance(token, str) and hmac.compare_digest(token.encode(), self.token.encode())
         ):
-            raise ProtocolError(
-                ErrorCode.UNAUTHORIZED, "a token is required" if token is None else "the token is wrong"
-            )
+            if not (self.accept_credentials and isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_LEN):
+                raise ProtocolError(
+                    ErrorCode.UNAUTHORIZED, "a token is required" if token is None else "the token is wrong"
+                )
+            credential = token
         self.handshake_done = True
+        self._decoder.max_frame_bytes = self.limits.max_frame_bytes
         reply = self.send_response(
             frame.request_id,
             RequestCode.HANDSHAKE,
             {"version": PROTOCOL_VERSION, "max_frame_bytes": self.limits.max_frame_bytes},
         )
-        return HandshakeAccepted(client_id=client_id, version=version, reply=reply)
+        return HandshakeAccepted(client_id=client_id, version=version, reply=reply, credential=credential)
 
     def _client_event(self, frame: Frame) -> Event | None:
         if not frame.is_response:
             raise ProtocolError(ErrorCode.BAD_FRAME, "a server sent a request frame")
+        if frame.error is not None:
+            raise ProtocolError(ErrorCode.BAD_BODY, f"a reply broke a limit: {frame.error.message}")
         if frame.is_error:
             body = frame.body or {}
             code, message = body.get("code"), body.get("message")

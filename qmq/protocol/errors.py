@@ -23,6 +23,7 @@ class ErrorCode(IntEnum):
     READ_ONLY = 13  # this broker group takes no new messages now: send to another group
     UNKNOWN_CONSUMER = 14  # an ack or nack for a subject, group or consumer this broker never served
     NOT_MASTER = 15  # this server is not its group's master (the reply names it when known): ask the meta server
+    FORBIDDEN = 16  # the credential may not do this (a subject outside its ACL, administration)
     INTERNAL = 99
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from qmq.protocol.errors import ErrorCode, ProtocolError
-from qmq.protocol.limits import DEFAULT_LIMITS, Limits
+from qmq.protocol.limits import DEFAULT_LIMITS, MAX_BODY_DEPTH, Limits
 
 PROTOCOL_VERSION = 1
 
@@ -26,6 +26,7 @@ HEADER_BYTES = HEADER.size  # 9
 NIL_BODY = msgpack.packb(None)
 MAX_CODE = 0xFFFF
 MAX_REQUEST_ID = 0xFFFF_FFFF
+TLS_HANDSHAKE_RECORD, TLS_MAJOR_VERSION = 0x16, 0x03  # how a TLS ClientHello starts
 
 
 class Flags(IntFlag):
@@ -53,6 +54,9 @@ class Frame:
     flags: int  # a combination of `Flags`, kept as a plain int
     body: dict[str, Any] | None
     version: int = PROTOCOL_VERSION
+    # Set when the frame is whole but its body breaks a limit that leaves the stream intact (nesting
+    # too deep): the frame is refused alone, the connection stays usable. `body` is None then.
+    error: ProtocolError | None = None
 
     @property
     def is_response(self) -> bool:
@@ -105,12 +109,14 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not allowed in a body")
 
 
-def decode_body(payload: bytes, max_len: int) -> dict[str, Any] | None:
+def decode_body(payload: bytes, max_len: int, max_depth: int = MAX_BODY_DEPTH) -> dict[str, Any] | None:
     """Decode a frame body; any failure becomes `ProtocolError(BAD_BODY)`.
 
-    Map keys must be strings or bytes (msgpack's strict_map_key), extension types are refused, and
-    no string, bin, array or map may claim more than `max_len` elements, so a small body cannot make
-    the decoder allocate much.
+    Map keys must be strings or bytes (msgpack's strict_map_key), extension types are refused, no
+    string, bin, array or map may claim more than `max_len` elements, so a small body cannot make
+    the decoder allocate much, and maps and lists may nest at most `max_depth` deep, so no handler
+    (or repr, or re-encoding) of the body can hit Python's recursion limit. The error never quotes
+    the body: a hostile peer must not be able to write megabytes into the server's log.
     """
     try:
         body = msgpack.unpackb(
@@ -124,10 +130,36 @@ def decode_body(payload: bytes, max_len: int) -> dict[str, Any] | None:
             max_ext_len=max_len,
         )
     except Exception as exc:  # unpackb raises many types (ExtraData, FormatError, StackError, ...)
-        raise ProtocolError(ErrorCode.BAD_BODY, f"body is not valid msgpack: {exc!r}") from exc
+        # Not repr(exc): ExtraData's repr holds the whole decoded body and the bytes after it.
+        raise ProtocolError(ErrorCode.BAD_BODY, f"body is not valid msgpack ({type(exc).__name__})") from None
     if body is not None and not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_BODY, f"body must be a map or nil, not {type(body).__name__}")
+    if body and not _shallow(body, max_depth):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"the body nests maps and lists more than {max_depth} deep", fatal=False
+        )
     return body
+
+
+_CONTAINERS = (dict, list)
+
+
+def _shallow(body: dict[str, Any], max_depth: int) -> bool:
+    """Whether no map or list in `body` lies more than `max_depth` levels deep. Iterative (a deep
+    body must not overflow the stack here either) and visiting containers only."""
+    level: list[Any] = [body]
+    depth = 1
+    while level:
+        if depth > max_depth:
+            return False
+        below: list[Any] = []
+        for container in level:
+            for value in container.values() if type(container) is dict else container:
+                if type(value) in _CONTAINERS:
+                    below.append(value)
+        level = below
+        depth += 1
+    return True
 
 
 class FrameDecoder:
@@ -142,8 +174,11 @@ class FrameDecoder:
     later call raises the same error.
     """
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, max_frame_bytes: int | None = None) -> None:
+        """`max_frame_bytes`: the limit to start with (default `limits.max_frame_bytes`); a server
+        starts low and raises it once the handshake is accepted (`max_frame_bytes` is writable)."""
         self._limits = limits
+        self.max_frame_bytes = limits.max_frame_bytes if max_frame_bytes is None else max_frame_bytes
         self._buffer = bytearray()
         self._error: ProtocolError | None = None
 
@@ -171,10 +206,13 @@ class FrameDecoder:
         if len(buffer) < LENGTH_BYTES:
             return None
         (length,) = LENGTH.unpack_from(buffer, 0)
-        if length > self._limits.max_frame_bytes:
+        if length > self.max_frame_bytes:
+            if buffer[0] == TLS_HANDSHAKE_RECORD and buffer[1] == TLS_MAJOR_VERSION:
+                raise ProtocolError(ErrorCode.BAD_FRAME, "this looks like TLS, and this peer does not use TLS here")
             raise ProtocolError(
                 ErrorCode.FRAME_TOO_LARGE,
-                f"frame announces {length} bytes, the limit is {self._limits.max_frame_bytes}",
+                f"frame announces {length} bytes, the limit is {self.max_frame_bytes}"
+                + ("" if self.max_frame_bytes == self._limits.max_frame_bytes else " before the handshake"),
             )
         if length < HEADER_BYTES:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"frame length {length} is shorter than the header")
@@ -196,5 +234,10 @@ class FrameDecoder:
             return None
         payload = bytes(buffer[LENGTH_BYTES + HEADER_BYTES : end])
         del buffer[:end]  # consumed even if the body is bad: the decoder is broken by then anyway
-        body = decode_body(payload, length)
+        try:
+            body = decode_body(payload, length, self._limits.max_body_depth)
+        except ProtocolError as exc:
+            if exc.fatal:
+                raise
+            return Frame(code=code, request_id=request_id, flags=flags, body=None, version=version, error=exc)
         return Frame(code=code, request_id=request_id, flags=flags, body=body, version=version)

@@ -14,6 +14,10 @@ from typing import Any, NamedTuple
 from qmq.protocol.errors import ErrorCode, ProtocolError
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a whole frame, header included
+# Before its handshake is accepted a peer is nobody: a server reads at most this much of a frame from
+# it, so an unauthenticated client cannot make it buffer (or log) megabytes.
+MAX_HANDSHAKE_FRAME_BYTES = 4096
+MAX_BODY_DEPTH = 32  # nesting of maps and lists in a body; real bodies need fewer than 8
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one message body (RocketMQ's default)
 MAX_SUBJECT_LEN = 200  # characters
 MAX_TAG_LEN = 64
@@ -41,6 +45,8 @@ class Limits:
     max_frame_bytes: int = MAX_FRAME_BYTES
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_subject_len: int = MAX_SUBJECT_LEN
+    max_handshake_frame_bytes: int = MAX_HANDSHAKE_FRAME_BYTES
+    max_body_depth: int = MAX_BODY_DEPTH
 
 
 DEFAULT_LIMITS = Limits()

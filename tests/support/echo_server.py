@@ -17,6 +17,14 @@ import logging
 import signal
 from typing import Any
 
+from qmq.net.guard import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    SLOW_READ_TIMEOUT_S,
+    WRITE_BUFFER_BYTES,
+    NetLimits,
+)
 from qmq.net.server import HANDSHAKE_TIMEOUT_S, PeerInfo, serve
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.connection import Request
@@ -63,6 +71,13 @@ async def main(args: argparse.Namespace) -> None:
         token=args.token,
         limits=Limits(max_frame_bytes=args.max_frame_bytes),
         handshake_timeout_s=args.handshake_timeout,
+        net_limits=NetLimits(
+            max_connections=args.max_connections,
+            max_connections_per_address=args.max_connections_per_address,
+            idle_timeout_s=args.idle_timeout,
+            slow_read_timeout_s=args.slow_read_timeout,
+            write_buffer_bytes=args.write_buffer_bytes,
+        ),
     )
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -76,6 +91,11 @@ if __name__ == "__main__":
     parser.add_argument("--token", default=None)
     parser.add_argument("--max-frame-bytes", type=int, default=Limits().max_frame_bytes)
     parser.add_argument("--handshake-timeout", type=float, default=HANDSHAKE_TIMEOUT_S, help="seconds")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS)
+    parser.add_argument("--max-connections-per-address", type=int, default=MAX_CONNECTIONS_PER_ADDRESS)
+    parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S, help="seconds")
+    parser.add_argument("--slow-read-timeout", type=float, default=SLOW_READ_TIMEOUT_S, help="seconds")
+    parser.add_argument("--write-buffer-bytes", type=int, default=WRITE_BUFFER_BYTES)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(main(args))
