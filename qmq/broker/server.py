@@ -13,6 +13,7 @@ from pathlib import Path
 from qmq import metrics as prometheus
 from qmq.broker import metrics
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerCore
+from qmq.broker.queue_lease import ORDERED_LEASE_S
 from qmq.broker.service import BrokerService
 from qmq.meta.membership import Membership
 from qmq.net.server import Server, run_process, stop_on_signals
@@ -39,6 +40,7 @@ async def serve_broker(
     token: str | None = None,
     metrics_port: int | None = None,
     consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
+    ordered_lease_s: float = ORDERED_LEASE_S,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     store_config: StoreConfig | None = None,
     stop: asyncio.Event | None = None,
@@ -46,7 +48,9 @@ async def serve_broker(
     config = replace(store_config or StoreConfig(), flush=FlushMode(flush))
     store = await asyncio.to_thread(LogStore, data_dir, config)
     try:
-        service = BrokerService(store, consumer_timeout_s=consumer_timeout_s, max_attempts=max_attempts)
+        service = BrokerService(
+            store, consumer_timeout_s=consumer_timeout_s, max_attempts=max_attempts, ordered_lease_s=ordered_lease_s
+        )
         server = Server(service.handle, host=host, port=port, token=token)
         await server.start()
         address = advertise or f"{host}:{server.port}"

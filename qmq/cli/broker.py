@@ -7,6 +7,7 @@ import logging
 import click
 
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
+from qmq.broker.queue_lease import ORDERED_LEASE_S
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
 from qmq.net.common import TOKEN_ENV
 from qmq.store.store import StoreError
@@ -45,6 +46,13 @@ ADVERTISE_EXTERNAL = click.option(
     help="seconds of silence after which a consumer's unacked messages go to others",
 )
 @click.option(
+    "--ordered-lease",
+    type=click.FloatRange(min=1),
+    default=ORDERED_LEASE_S,
+    show_default=True,
+    help="seconds a consumer's lease on a queue of an ordered subject lasts unless renewed (docs/ordering.md)",
+)
+@click.option(
     "--max-attempts",
     type=click.IntRange(1),
     default=DEFAULT_MAX_ATTEMPTS,
@@ -64,6 +72,7 @@ def broker(
     token: str | None,
     metrics_port: int | None,
     consumer_timeout: float,
+    ordered_lease: float,
     max_attempts: int,
     log_level: str,
 ) -> None:
@@ -82,6 +91,7 @@ def broker(
             token=token or None,
             metrics_port=metrics_port,
             consumer_timeout_s=consumer_timeout,
+            ordered_lease_s=ordered_lease,
             max_attempts=max_attempts,
         )
     except StoreError as exc:

@@ -252,6 +252,11 @@ class SubscriptionCore:
 
     # ---- for the drivers -----------------------------------------------------------------------------
 
+    def set_queues(self, queues: list[int]) -> None:
+        """An ordered subscription: the queues its next pulls take from (those whose leases it holds)."""
+        with self._lock:
+            self._state.queues = sorted(queues)
+
     def _register(self) -> Steps[None]:
         """Find the route and pull once from every group without waiting: this registers the consumer
         group with every broker, so a message sent after `subscribe` returns reaches a new group.

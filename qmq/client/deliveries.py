@@ -58,6 +58,7 @@ class SubscribeOptions:
     match_all: bool = False
     broadcast: bool = False
     start: str = "latest"
+    ordered: bool = False  # pulls name the queues held (`SubscriptionState.queues`; docs/ordering.md)
 
     def __post_init__(self) -> None:
         try:
@@ -194,6 +195,8 @@ class SubscriptionState:
         self._trackers: dict[TrackerKey, AckTracker] = {}
         self._epochs = itertools.count(1)
         self._drops: dict[str, int] = defaultdict(int)  # trackers dropped so far, by broker address
+        # An ordered subscription's queues whose leases it holds: its pulls take only those.
+        self.queues: list[int] | None = [] if options.ordered else None
 
     def generation(self, address: str) -> int:
         """Changes whenever a tracker of `address` is dropped. A pull reply is only accepted with
@@ -216,6 +219,7 @@ class SubscriptionState:
             "broadcast": o.broadcast,
             "start": o.start,
             "pulled": pulled,
+            **({"queues": list(self.queues)} if self.queues is not None else {}),
         }
 
     def accept(self, address: str, reply: dict[str, Any], generation: int | None = None) -> list[Delivery]:

@@ -60,7 +60,17 @@ def insert(dialect: str, leased: bool) -> sa.Insert:
     return stmt
 
 
-INSERT_COLUMNS = ("message_id", "subject", "body", "content_type", "headers", "tags", "key", "deliver_at")
+INSERT_COLUMNS = (
+    "message_id",
+    "subject",
+    "body",
+    "content_type",
+    "headers",
+    "tags",
+    "key",
+    "deliver_at",
+    "order_key",
+)
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,8 @@ class ClaimedRow:
     deliver_at: object  # datetime or None
     attempts: int
     created_at: object  # datetime
+    order_key: str | None = None
+    id: int = 0  # the row's place in outbox order
 
 
 _CLAIMED_COLUMNS = (
@@ -158,12 +170,16 @@ _CLAIMED_COLUMNS = (
     outbox.c.deliver_at,
     outbox.c.attempts,
     outbox.c.created_at,
+    outbox.c.order_key,
+    outbox.c.id,
 )
 
 
 def _claimable(now: sa.ColumnElement) -> sa.ColumnElement:
+    """Unordered rows due now and not leased; ordered rows go by `qmq.outbox.ordered_rows`."""
     return sa.and_(
         outbox.c.state == PENDING,
+        outbox.c.order_key.is_(None),
         outbox.c.next_attempt_at <= now,
         sa.or_(outbox.c.lease_expires_at.is_(None), outbox.c.lease_expires_at <= now),
     )

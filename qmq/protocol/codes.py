@@ -38,6 +38,9 @@ class RequestCode(IntEnum):
     BROKER_GROUP_DELETE = 117  # {"subject", "group", "force"} -> {"deleted"}
     BROKER_CONSUMERS = 118  # {} -> {"consumers": [...]}: every consumer, with what its worker reported
 
+    # Ordered subjects (docs/ordering.md); an ordered pull is a BROKER_PULL with "queues".
+    BROKER_QUEUE_LOCK = 130  # {"subject", "group", "consumer", "queues", "release"} -> {"held", "members", ...}
+
     # Meta server (see docs/meta.md for the bodies).
     META_REGISTER = 200  # {"kind", "group", "address": "host:port"} -> {"heartbeat_interval_s", "read_only"}
     META_HEARTBEAT = 201  # same body and reply as META_REGISTER; an unknown server is registered
