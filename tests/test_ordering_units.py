@@ -205,3 +205,20 @@ def test_a_queue_handed_out_again_drops_what_waits_and_keeps_what_runs() -> None
     assert gate.busy_queues() == {1, 2}
     gate.put_back(dataclasses.replace(a1))
     assert sorted(d.id for d in gate.take(lambda q: True)) == ["a-1", "c-1"]
+
+
+def test_pull_sequences_the_broker_gave_to_another_consumer_do_not_hold_back_acks() -> None:
+    from qmq.client.deliveries import AckTracker
+
+    tracker = AckTracker(("b", "orders#1", "g", "w1"), epoch=1)
+    assert tracker.receive(0, 4) == [0, 1, 2, 3]
+    for seq in (0, 1, 2):
+        tracker.done(seq)
+    assert tracker.take_ack() == 2
+    # Pull 4's reply never came; the queue went to another worker and back: the broker released
+    # pulls 3 and 4 and answers from 5 though this consumer named 3 as received.
+    assert tracker.receive(5, 1) == [5]
+    tracker.done(3)  # the delivery of 3 was dropped here (its queue was handed out again)
+    tracker.done(5)
+    assert tracker.take_ack() == 5
+    assert tracker.pulled == 5 and tracker.outstanding == 0

@@ -158,6 +158,8 @@ class AckTracker:
         if self.base is None:
             self.base = first_pull
             self.received_upto = self.done_upto = self.acked_upto = first_pull - 1
+        elif first_pull > self.received_upto + 1:
+            self._skipped(first_pull)
         new = []
         for seq in range(first_pull, first_pull + count):
             if seq > self.received_upto and seq not in self._received:
@@ -167,6 +169,23 @@ class AckTracker:
             self.received_upto += 1
             self._received.discard(self.received_upto)
         return new
+
+    def _skipped(self, first_pull: int) -> None:
+        """The broker answered from `first_pull` though this consumer named `received_upto` as the end
+        of what it received: it resends everything after that which is not acknowledged, so the
+        sequences in between that never arrived are acknowledged there (given to another consumer: a
+        silent consumer's release, an ordered queue's new holder). They count as received and done
+        here, or the acknowledgements would wait for them for ever."""
+        for seq in range(self.received_upto + 1, first_pull):
+            if seq not in self._received:
+                self._received.add(seq)
+                self._done.add(seq)
+        while self.received_upto + 1 in self._received:
+            self.received_upto += 1
+            self._received.discard(self.received_upto)
+        while self.done_upto + 1 in self._done:
+            self.done_upto += 1
+            self._done.discard(self.done_upto)
 
     def done(self, pull_seq: int) -> None:
         if pull_seq <= self.done_upto or not self._was_received(pull_seq):
