@@ -319,8 +319,8 @@ def backlog(conn: sa.Connection) -> Backlog:
 
 
 def seconds_until_due(conn: sa.Connection) -> float | None:
-    """Seconds until the soonest pending row becomes claimable (0 or less: one is due now), or None
-    when nothing is pending."""
+    """Seconds until the soonest pending unordered row becomes claimable (0 or less: one is due now),
+    or None when none is pending."""
     if conn.dialect.name == "sqlite":
         lease_or_due = sa.func.coalesce(outbox.c.lease_expires_at, outbox.c.next_attempt_at)
         ready = sa.func.max(outbox.c.next_attempt_at, lease_or_due)
@@ -330,5 +330,7 @@ def seconds_until_due(conn: sa.Connection) -> float | None:
             outbox.c.next_attempt_at, sa.func.coalesce(outbox.c.lease_expires_at, outbox.c.next_attempt_at)
         )
         wait = sa.func.extract("epoch", sa.func.min(ready) - sa.func.now())
-    value = conn.execute(sa.select(wait).where(outbox.c.state == PENDING)).scalar()
+    # Ordered rows are left out: one waiting behind an earlier row of its key is "due" and would keep a
+    # relay from sleeping; the relay looks at ordered keys every poll interval and on NOTIFY.
+    value = conn.execute(sa.select(wait).where(outbox.c.state == PENDING, outbox.c.order_key.is_(None))).scalar()
     return None if value is None else float(value)
