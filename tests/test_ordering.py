@@ -140,9 +140,16 @@ def test_a_poison_message_blocks_its_key_only(processes, tmp_path, pg_url, on_po
                 wait_until(lambda: len(_dead(admin, queue)) == 4, "the poison message and 3 parked", DEADLINE_S)
                 assert handled_by_key(db)[poisoned] == [1], "the key stopped at its poison message"
                 assert rows(db, f"SELECT max(seq) FROM ordered_attempts WHERE order_key = '{poisoned}'")[0][0] == 2
+                processes.kill(worker)  # the brokers remember the stopped key, not only the worker
+                worker = start_ordered_worker(
+                    processes, meta, db, "w1-again", QMQ_TEST_MAX_RETRIES="4", QMQ_TEST_ON_POISON=on_poison
+                )
+                send_ordered(meta, [{"key": poisoned, "seq": 6}])
+                wait_until(lambda: len(_dead(admin, queue)) >= 5, "parked after a restart too", DEADLINE_S)
+                assert handled_by_key(db)[poisoned] == [1]
                 rows(db, f"INSERT INTO ordered_fixed VALUES ('{poisoned}') RETURNING 1")  # the operator fixes it
                 admin.redrive(queue, GROUP)
-                wait_until(lambda: handled_by_key(db)[poisoned] == [1, 2, 3, 4, 5], "re-driven in order", DEADLINE_S)
+                wait_until(lambda: handled_by_key(db)[poisoned] == [1, 2, 3, 4, 5, 6], "re-driven in order", DEADLINE_S)
         finally:
             admin.close()
         assert order_problems(db, {k: 20 for k in others}) == []

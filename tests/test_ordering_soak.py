@@ -34,6 +34,7 @@ SOAK_DEADLINE_S = 900.0
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(SOAK_DEADLINE_S * 2)
 def test_full_size_ordering_through_every_kind_of_crash(processes, tmp_path, pg_url) -> None:
     keys = [f"order-{i}" for i in range(KEYS)]
     total = KEYS * PER_KEY

@@ -88,8 +88,13 @@ class KeyGate:
     def stop(self, delivery: Delivery) -> list[Delivery]:
         """The key stops at its poison `delivery`: returns its waiting deliveries, to be parked."""
         key = gate_key(delivery)
-        self.stopped[key] = delivery.id
         self._busy.discard(key)
+        return self.stop_key(key, delivery.id)
+
+    def stop_key(self, key: GateKey, poison_id: str) -> list[Delivery]:
+        """Stop `key` (at `poison_id`, as the brokers remember it); returns its waiting deliveries, to
+        be parked. A delivery of the key out now finishes first."""
+        self.stopped[key] = poison_id
         self._ready.discard(key)
         return list(self._lines.pop(key, ()))
 

@@ -96,11 +96,17 @@ class OrderedFeeder(Feeder):
             for q in locks.granted | {q for q in lost if q in locks.others}:
                 dropped += self.gate.drop_queue(q)  # handed out again by the broker: ours were released
             self.held = {q: trusted_until for q in locks.held}
+            parked: list[Delivery] = []
+            for q, order_keys in locks.stopped.items():  # stopped before, by this worker or another
+                for order_key in order_keys:
+                    if (q, order_key) not in self.gate.stopped:
+                        parked += self.gate.stop_key((q, order_key), "a poison message")
             pulled = sorted(q for q in self.held if q in self.share)
             ready = self.gate.take(self._may_run)
         assert self.subscription is not None
         self.subscription.set_queues(pulled)
         self._forget(dropped)
+        self._park(parked)
         if locks.granted or lost or release:
             log.info(
                 "%s: holding %d queues (granted %s, released %s, lost %s; %d members)",
@@ -223,12 +229,14 @@ class OrderedFeeder(Feeder):
             timer.start()
             return
         parked: list[Delivery] = []
+        stops = outcome.kind is Kind.DEAD and self.consumer.on_poison == "stop"
         if outcome.kind in (Kind.ACK, Kind.DUPLICATE):
             self.subscription.ack(delivery)
-        else:
-            self.subscription.nack(delivery, 0.0, dead=True, reason=outcome.reason)
+        else:  # the brokers remember a stopped key, for whoever holds the queue next
+            stop_key = gate_key(delivery)[1] if stops else None
+            self.subscription.nack(delivery, 0.0, dead=True, reason=outcome.reason, stop_key=stop_key)
         with self._gate_lock:
-            if outcome.kind is Kind.DEAD and self.consumer.on_poison == "stop":
+            if stops:
                 parked = self.gate.stop(delivery)
                 log.error(
                     "%s: key %s stopped at its poison message %s; its next messages are parked as dead letters "

@@ -21,6 +21,7 @@ from qmq.broker.consumer_group import ConsumerGroup, UnknownConsumer
 from qmq.broker.core import BrokerCore
 from qmq.broker.journal import Create, Entry, GroupAction, Schedule
 from qmq.broker.ordered import not_held, ordered_queues, stored_subjects
+from qmq.broker.queue_lease import KeyStopped
 from qmq.broker.system_subjects import dead_subject, delivery, retry_subject, unwrap, wrap
 from qmq.protocol.errors import ErrorCode, ProtocolError
 from qmq.protocol.fields import bad, choice_field, field, int_field
@@ -221,6 +222,7 @@ class Consuming:
         core = self.core
         outcomes: list[list[Any]] = []
         entries: list[Entry] = []
+        stops: list[Entry] = []
         dead: list[Message] = []
         now = core.clock()
         for item in field(body, "nacks", list):
@@ -256,6 +258,8 @@ class Consuming:
                 why = reason or f"failed {attempt} attempts"
                 dead.append(wrap(record, dead_subject(original.subject, key), attempt, why))
                 outcomes.append(["dead", None])
+                if isinstance(item.get("stop_key"), str):  # an ordered key stops behind it (docs/ordering.md)
+                    stops.append(KeyStopped(original.subject, key, item["stop_key"]))
             else:
                 due_ms = int(now * 1000) + delay_ms
                 entries.append(
@@ -279,6 +283,8 @@ class Consuming:
         if entries:
             end = core.apply_and_commit(entries)
             core.retries_changed.set()
+        if stops:  # after the dead letters: a crash in between resends the message, never loses it
+            end = core.apply_and_commit(stops)
         if end:
             await core.store.durable(end)
         return {"outcomes": outcomes}

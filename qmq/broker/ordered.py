@@ -71,7 +71,8 @@ def not_held(core: BrokerCore, pull: PullRequest) -> list[int]:
 
 class Ordering:
     """BROKER_QUEUE_LOCK: {"subject", "group", "consumer", "queues": [q], "release": [q], "leave"}
-    -> {"held": [q], "granted": [q], "holders": [[q, consumer]], "members": [consumer], "lease_s"}."""
+    -> {"held": [q], "granted": [q], "stopped": [[q, [order keys]]], "holders": [[q, consumer]],
+    "members": [consumer], "lease_s"}."""
 
     def __init__(self, core: BrokerCore) -> None:
         self.core = core
@@ -122,7 +123,9 @@ class Ordering:
             holder = leases.holder(queue_subject(subject, q), key, now)
             if holder is not None:
                 holders.append([q, holder])
+        stopped = [[q, sorted(keys)] for q in held if (keys := leases.stopped_keys(queue_subject(subject, q), key))]
         return {
+            "stopped": stopped,
             "held": held,
             "granted": granted,
             "holders": holders,

@@ -36,6 +36,17 @@ class Leased:
     consumer: str
 
 
+@dataclass(frozen=True)
+class KeyStopped:
+    """Journal entry: `order_key` of queue subject `subject` stopped for group `key` at a poison
+    message (`on_poison="stop"`): whoever holds the queue parks the key's messages until the
+    queue's dead letters are re-driven, which lets every stopped key of the queue go on."""
+
+    subject: str
+    key: str
+    order_key: str
+
+
 class QueueLeases:
     """Every queue lease of a broker, and the consumers asking for them (the members, by group)."""
 
@@ -44,6 +55,7 @@ class QueueLeases:
         self.holders: dict[tuple[str, str], str] = {}  # (queue subject, group) -> consumer
         self.expires: dict[tuple[str, str], float] = {}  # same key -> when the lease runs out
         self._members: dict[tuple[str, str], dict[str, float]] = {}  # (subject, group) -> consumer -> seen
+        self.stopped: dict[tuple[str, str], set[str]] = {}  # (queue subject, group) -> stopped order keys
 
     def set_lease_s(self, lease_s: float, now: float) -> None:
         """Leases last `lease_s` from now on; every lease held gets it whole (after a restart)."""
@@ -78,6 +90,22 @@ class QueueLeases:
         """Who held the lease last, expired or not."""
         return self.holders.get((subject, key))
 
+    # ---- keys stopped at a poison message ----------------------------------------------------------------
+
+    def stop(self, entry: KeyStopped) -> None:
+        self.stopped.setdefault((entry.subject, entry.key), set()).add(entry.order_key)
+
+    def redriven(self, dead: str, purged: bool) -> None:
+        """The dead letters of `dead` (`%DEAD%subject#queue%group`) were re-driven: the queue's stopped
+        keys go on (their parked messages come back first, in order). A purge leaves them stopped."""
+        if purged or not dead.startswith("%DEAD%"):
+            return
+        subject, _, group = dead[len("%DEAD%") :].rpartition("%")
+        self.stopped.pop((subject, group), None)
+
+    def stopped_keys(self, subject: str, key: str) -> set[str]:
+        return self.stopped.get((subject, key), set())
+
     # ---- members ----------------------------------------------------------------------------------
 
     def seen(self, subject: str, key: str, consumer: str, now: float) -> None:
@@ -100,9 +128,14 @@ class QueueLeases:
     def to_state(self) -> list[list[str]]:
         return [[subject, key, consumer] for (subject, key), consumer in self.holders.items()]
 
-    def load(self, state: list[list[str]], now: float) -> None:
+    def stopped_state(self) -> list[list]:
+        return [[subject, key, sorted(keys)] for (subject, key), keys in self.stopped.items() if keys]
+
+    def load(self, state: list[list[str]], now: float, stopped: list[list] | None = None) -> None:
         for subject, key, consumer in state:
             self.apply(Leased(subject, key, consumer), now)
+        for subject, key, keys in stopped or ():
+            self.stopped[(subject, key)] = set(keys)
 
 
 def handover(groups: list[ConsumerGroup]) -> list[tuple[ConsumerGroup, Release | Reset]]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from qmq.broker.consumer_group import ConsumerGroup, Reset
 from qmq.broker.journal import Create, Delete, Entry, Fired, GroupAction, Redriven, Schedule
-from qmq.broker.queue_lease import Leased, QueueLeases
+from qmq.broker.queue_lease import KeyStopped, Leased, QueueLeases
 from qmq.broker.retry import RetrySchedule
 from qmq.broker.system_subjects import dead_subject, retry_subject
 
@@ -48,8 +48,11 @@ class BrokerState:
             self.retries.fired(entry.ids)
         elif isinstance(entry, Redriven):
             self._dead_handled(entry.dead_subject, entry.upto, entry.seqs)
+            self.leases.redriven(entry.dead_subject, entry.purged)
         elif isinstance(entry, Leased):
             self.leases.apply(entry, now)
+        elif isinstance(entry, KeyStopped):
+            self.leases.stop(entry)
         elif isinstance(entry, Delete):
             self.groups.pop((entry.subject, entry.key), None)
             retry = retry_subject(entry.subject, entry.key)
@@ -91,6 +94,7 @@ class BrokerState:
             "redriven": dict(self.redriven),
             "dead_done": {dead: sorted(seqs) for dead, seqs in self.dead_done.items()},
             "leases": self.leases.to_state(),
+            "stopped_keys": self.leases.stopped_state(),
         }
 
     @classmethod
@@ -107,5 +111,5 @@ class BrokerState:
         state.retries.next_id = max(state.retries.next_id, int(data["retry_next_id"]))
         state.redriven = {k: int(v) for k, v in data["redriven"].items()}
         state.dead_done = {k: {int(s) for s in v} for k, v in data.get("dead_done", {}).items()}
-        state.leases.load(data.get("leases", []), now)
+        state.leases.load(data.get("leases", []), now, data.get("stopped_keys", []))
         return state

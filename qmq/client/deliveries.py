@@ -321,6 +321,7 @@ class SubscriptionState:
         dead: bool = False,
         reason: str = "",
         max_attempts: int | None = None,
+        stop_key: str | None = None,
     ) -> dict[str, Any]:
         if not delay_s >= 0 or delay_s == float("inf"):
             raise ValueError(f"delay_s must be a finite number of seconds >= 0, not {delay_s!r}")
@@ -338,6 +339,8 @@ class SubscriptionState:
         }
         if max_attempts is not None:
             nack["max_attempts"] = int(max_attempts)
+        if stop_key is not None:  # an ordered key stops behind this dead letter (docs/ordering.md)
+            nack["stop_key"] = stop_key
         return {"nacks": [nack]}
 
     def heartbeat_requests(self) -> dict[str, dict[str, Any]]:

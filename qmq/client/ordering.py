@@ -35,12 +35,14 @@ def share(members: Sequence[str], consumer: str, queues: int = ORDERED_QUEUES) -
 class QueueLocks:
     """What the brokers answered: the queues held by the asker on every broker that answered, those
     granted anew on at least one (not renewals: what was handed out before on them was taken back),
-    the other holders by queue, the group's members, and the brokers that did not answer."""
+    the other holders by queue, the group's members, the keys of held queues stopped at a poison
+    message, and the brokers that did not answer."""
 
     held: set[int] = field(default_factory=set)
     granted: set[int] = field(default_factory=set)
     others: dict[int, str] = field(default_factory=dict)
     members: list[str] = field(default_factory=list)
+    stopped: dict[int, set[str]] = field(default_factory=dict)  # queue -> keys stopped at a poison message
     lease_s: float = 0.0
     unanswered: list[str] = field(default_factory=list)
 
@@ -85,6 +87,8 @@ def lock_queues(
             if holder != consumer:
                 locks.others[int(q)] = str(holder)
         locks.granted |= {int(q) for q in reply.get("granted") or ()}
+        for q, keys in reply.get("stopped") or ():
+            locks.stopped.setdefault(int(q), set()).update(str(k) for k in keys)
         locks.lease_s = max(locks.lease_s, float(reply.get("lease_s") or 0.0))
     locks.held = held or set()
     locks.members = sorted(members)
