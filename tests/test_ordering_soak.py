@@ -17,15 +17,16 @@ import pytest
 
 from tests.support.broker import restart_broker
 from tests.support.ordering import (
+    handled_count,
     order_problems,
     ordered_database,
     rows,
     start_cluster,
     start_ordered_worker,
     start_producer,
+    start_relay,
 )
 from tests.test_meta import log_text, wait_until
-from tests.test_ordering import handled_count, start_relay
 
 KEYS = 200
 PER_KEY = 250

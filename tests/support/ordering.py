@@ -10,14 +10,19 @@ from pathlib import Path
 
 import psycopg
 
+from qmq.client import Client, OutgoingMessage
+from qmq.client.blocking import Admin
 from qmq.db.migrate import upgrade
+from qmq.protocol.ordering import queue_of
 from tests.support.broker import ROOT, Broker, start_broker
 from tests.support.databases import fresh_database
+from tests.support.outbox import relay_args
 from tests.support.worker import wait_ready
-from tests.test_meta import start_meta
+from tests.test_meta import log_text, start_meta, wait_until
 
 ORDERED_APP = "tests.apps.ordered:app"
 SUBJECT = "orders"
+DEADLINE_S = 60.0  # what a test waits for must happen within this
 GROUP = "ledger"
 TABLES = """
 CREATE TABLE IF NOT EXISTS ordered_entities (order_key TEXT PRIMARY KEY, seq INT NOT NULL DEFAULT 0);
@@ -135,3 +140,41 @@ def order_problems(db_url: str, expected: dict[str, int]) -> list[str]:
                 problems.append(f"{key}: seq {seq} called (by {worker}) after {highest}")
             highest = max(highest, seq)
     return problems
+
+
+def start_relay(processes, db_url: str, meta: str, name: str):
+    return processes.start(
+        relay_args(db_url, meta=meta), name=name, env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_DB_URL": ""}
+    )
+
+
+def wait_done(proc) -> None:
+    wait_until(lambda: "done" in log_text(proc) or proc.poll() not in (None, 0), "the producer commits", DEADLINE_S)
+    assert proc.wait(30) == 0, log_text(proc)[-3000:]
+
+
+def handled_count(db_url: str) -> int:
+    return rows(db_url, "SELECT count(*) FROM ordered_handled")[0][0]
+
+
+def keys_in_one_queue(count: int) -> list[str]:
+    """`count` keys that hash to the same logical queue."""
+    by_queue: dict[int, list[str]] = {}
+    for i in range(10_000):
+        key = f"k-{i}"
+        same = by_queue.setdefault(queue_of(key), [])
+        same.append(key)
+        if len(same) == count:
+            return same
+    raise AssertionError("unreachable")
+
+
+def send_ordered(meta: str, bodies: list[dict]) -> None:
+    with Client(meta=meta) as client:
+        results = client.send([OutgoingMessage(SUBJECT, b, order_key=b["key"]) for b in bodies])
+    assert all(r.ok for r in results), results
+
+
+def dead_letters(admin: Admin, queue: str) -> list[dict]:
+    answers = admin.dead_list(queue, GROUP)
+    return [m for answer in answers for m in (answer.reply or {}).get("messages", [])]
