@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from qmq.client import Client, ClientError, Delivery
+from qmq.client.ordering import QueueLocks
 from worker.capacity import Capacity
 from worker.consumer import Consumer
 from worker.feeder import PULL_WAIT_S, RESERVE_WAIT_S, Feeder
@@ -56,6 +57,7 @@ class OrderedFeeder(Feeder):
         self.share: set[int] = set()
         self.members: list[str] = []
         self._gate_lock = threading.Lock()
+        self._orphans: dict[int, list[Delivery]] = {}  # pulled for queues no longer held here (see _orphan)
         self._lease_thread = threading.Thread(target=self._lease_loop, name=f"qmq-lease-{consumer.name}", daemon=True)
 
     def start(self) -> None:
@@ -96,6 +98,8 @@ class OrderedFeeder(Feeder):
             for q in locks.granted | {q for q in lost if q in locks.others}:
                 dropped += self.gate.drop_queue(q)  # handed out again by the broker: ours were released
             self.held = {q: trusted_until for q in locks.held}
+            acked_elsewhere, back = self._settle_orphans(locks)
+            orphaned = self._orphan(self.gate.busy_queues() - set(self.held))
             parked: list[Delivery] = []
             for q, order_keys in locks.stopped.items():  # stopped before, by this worker or another
                 for order_key in order_keys:
@@ -106,6 +110,11 @@ class OrderedFeeder(Feeder):
         assert self.subscription is not None
         self.subscription.set_queues(pulled)
         self._forget(dropped)
+        self._forget(acked_elsewhere, counted=False)
+        if back:
+            self.capacity.received(0, back)
+        if orphaned:
+            self.capacity.dropped(orphaned)
         self._park(parked)
         if locks.granted or lost or release:
             log.info(
@@ -124,14 +133,44 @@ class OrderedFeeder(Feeder):
     def _may_run(self, queue: int) -> bool:
         return self.held.get(queue, 0.0) > time.monotonic()
 
-    def _forget(self, deliveries: list[Delivery]) -> None:
-        """Deliveries of a queue handed out again by the broker: done here (their acks change nothing)."""
+    def _forget(self, deliveries: list[Delivery], counted: bool = True) -> None:
+        """Deliveries of a queue handed out again by the broker: done here (their acks change nothing).
+        `counted`: they still count in the worker's capacity."""
         if not deliveries:
             return
         assert self.subscription is not None
         for delivery in deliveries:
             self.subscription.ack(delivery)
-        self.capacity.dropped(len(deliveries))
+        if counted:
+            self.capacity.dropped(len(deliveries))
+
+    def _orphan(self, queues: set[int]) -> int:
+        """Set aside what waits here of `queues`, which this worker does not hold (it gave them back,
+        or could not renew them): not run, not acknowledged (the broker hands them to the queue's next
+        holder, from its own record), and not counted against the worker's capacity. How many."""
+        count = 0
+        for q in queues:
+            waiting = self.gate.drop_queue(q)
+            if waiting:
+                self._orphans.setdefault(q, []).extend(waiting)
+                count += len(waiting)
+        return count
+
+    def _settle_orphans(self, locks: QueueLocks) -> tuple[list[Delivery], int]:
+        """What was set aside, once the brokers said what became of its queue: handed out again
+        (granted anew here, or held by another: the broker released them) -> done, to acknowledge;
+        held again here without a new grant (a renewal after a missed one) -> back in line. Returns
+        the deliveries to mark done and how many went back in line."""
+        done: list[Delivery] = []
+        back = 0
+        for q in list(self._orphans):
+            if q in locks.granted or q in locks.others:
+                done += self._orphans.pop(q)
+            elif q in locks.held:
+                waiting = self._orphans.pop(q)
+                self.gate.add(waiting)
+                back += len(waiting)
+        return done, back
 
     def leave(self) -> None:
         """Give back every lease (a warm shutdown, after the last acks went out)."""
@@ -206,7 +245,11 @@ class OrderedFeeder(Feeder):
     def _arrived(self, deliveries: list[Delivery]) -> None:
         with self._gate_lock:
             parked = self.gate.add(deliveries)
+            # Pulled for a queue given back (or not renewed) meanwhile: set aside, see _orphan.
+            orphaned = self._orphan({gate_key(d)[0] for d in deliveries} - set(self.held))
             ready = self.gate.take(self._may_run)
+        if orphaned:
+            self.capacity.dropped(orphaned)
         self._park(parked)
         if ready:
             self.dispatch(self, ready)
