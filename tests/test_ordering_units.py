@@ -222,3 +222,26 @@ def test_pull_sequences_the_broker_gave_to_another_consumer_do_not_hold_back_ack
     tracker.done(5)
     assert tracker.take_ack() == 5
     assert tracker.pulled == 5 and tracker.outstanding == 0
+
+
+def test_qmq_send_refuses_an_ordered_delayed_message() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qmq",
+            "send",
+            "orders",
+            "x",
+            "--order-key",
+            "k",
+            "--delay",
+            "5",
+            "--broker",
+            "127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "--order-key cannot be combined with --delay" in result.stderr
