@@ -12,9 +12,10 @@ cores).
 
 Targets (issue 16): ordered >= 10,000 msg/s. Throughput is a backlog sent beforehand and drained by
 the workers, counted from the first finished message to the last (the workers' own
-`qmq_worker_messages_succeeded_total`, summed), so neither the sender nor start-up is in it; the
-workers take their queues before the backlog is sent. PostgreSQL for the latency case:
-$BENCH_PG_ADMIN_URL (default postgresql://postgres@127.0.0.1:5432/postgres).
+`qmq_worker_messages_succeeded_total`, summed), so neither the sender nor start-up is in it: the
+workers start and share the queues, are stopped (SIGSTOP) while the backlog is sent, and go on.
+PostgreSQL for the latency case: $BENCH_PG_ADMIN_URL (default
+postgresql://postgres@127.0.0.1:5432/postgres).
 """
 
 from __future__ import annotations
@@ -107,8 +108,14 @@ def fill(addresses: list[str], subject: str, total: int, keys: int, ordered: boo
 def drain(cluster: Cluster, subject: str, total: int, keys: int, ordered: bool) -> dict:
     workers = [cluster.worker(subject, f"w{i}-{subject}") for i in range(WORKERS)]
     try:
-        time.sleep(3.0 if ordered else 1.0)  # the workers share the queues (leases) before the backlog comes
-        fill(cluster.addresses, subject, total, keys, ordered)
+        time.sleep(3.0)  # the workers share the queues (leases) and open their long polls
+        for proc, _ in workers:  # stopped while the backlog is sent (well within their leases)
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            fill(cluster.addresses, subject, total, keys, ordered)
+        finally:
+            for proc, _ in workers:
+                proc.send_signal(signal.SIGCONT)
         first_at = first_count = None
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
