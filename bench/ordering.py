@@ -6,6 +6,7 @@ cores).
     .venv/bin/python bench/ordering.py                 # every case
     .venv/bin/python bench/ordering.py throughput      # 1,000 keys, no-op handler, three workers:
                                                        #   ordered, then unordered, and the ratio
+    .venv/bin/python bench/ordering.py latency-unordered  # the same without order keys
     .venv/bin/python bench/ordering.py latency         # ordered messages through the outbox
                                                        #   (PostgreSQL, after-commit sender) at
                                                        #   1,000 msg/s: p50/p99 to the handler
@@ -137,7 +138,7 @@ def drain(cluster: Cluster, subject: str, total: int, keys: int, ordered: bool) 
             proc.wait(60)
 
 
-def latency(cluster: Cluster, rate: int, seconds: float, keys: int) -> dict:
+def latency(cluster: Cluster, rate: int, seconds: float, keys: int, ordered: bool = True) -> dict:
     import sqlalchemy as sa
 
     import qmq
@@ -145,7 +146,8 @@ def latency(cluster: Cluster, rate: int, seconds: float, keys: int) -> dict:
 
     name, url = pg_database()
     out = cluster.dir / "latency.json"
-    worker, _ = cluster.worker("bench.ordered_latency", "w-latency", {"BENCH_LATENCY_OUT": str(out)})
+    subject = "bench.ordered_latency" if ordered else "bench.unordered_latency"
+    worker, _ = cluster.worker(subject, "w-latency", {"BENCH_LATENCY_OUT": str(out)})
     try:
         time.sleep(3.0)  # leases taken, first long polls open
         engine = create_engine(url)
@@ -158,7 +160,7 @@ def latency(cluster: Cluster, rate: int, seconds: float, keys: int) -> dict:
                 time.sleep(pause)
             with engine.begin() as conn:
                 conn.execute(sa.text("SELECT 1"))
-                producer.send("bench.ordered_latency", BODY, order_key=f"key-{i % keys}", connection=conn)
+                producer.send(subject, BODY, order_key=f"key-{i % keys}" if ordered else None, connection=conn)
         producer.flush(30)
         time.sleep(2.0)
         producer.close()
@@ -197,11 +199,11 @@ def main() -> None:
                 print(json.dumps({"case": "unordered", "workers": WORKERS, **unordered}), flush=True)
                 ratio = ordered["msg_per_s"] / max(unordered["msg_per_s"], 1)
                 print(json.dumps({"case": "ordered/unordered", "ratio": round(ratio, 2)}), flush=True)
-            elif case == "latency":
-                result = latency(cluster, args.rate, args.seconds, args.keys)
-                print(
-                    json.dumps({"case": "ordered outbox-to-handler latency", "rate": args.rate, **result}), flush=True
-                )
+            elif case in ("latency", "latency-unordered"):
+                ordered = case == "latency"
+                result = latency(cluster, args.rate, args.seconds, args.keys, ordered)
+                case_name = f"{'ordered' if ordered else 'unordered'} outbox-to-handler latency"
+                print(json.dumps({"case": case_name, "rate": args.rate, **result}), flush=True)
             else:
                 raise SystemExit(f"unknown case {case!r}")
     finally:

@@ -4,7 +4,7 @@
 - `bench.unordered`: the same handler, not ordered, for the ratio;
 - `bench.ordered_latency`: ordered, records outbox-to-handler latency (now minus the producer's
   `created_at`, taken when the app called `send()`) and writes the list to $BENCH_LATENCY_OUT when
-  the worker shuts down.
+  the worker shuts down; `bench.unordered_latency`: the same, not ordered, for comparison.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ def unordered(message: qmq.Message) -> None:
 
 @app.consumer("bench.ordered_latency", group="bench", ordered=True)
 def ordered_latency(message: qmq.Message) -> None:
+    assert message.created_at is not None
+    latencies_ms.append((time.time() - message.created_at.timestamp()) * 1000)
+
+
+@app.consumer("bench.unordered_latency", group="bench")
+def unordered_latency(message: qmq.Message) -> None:
     assert message.created_at is not None
     latencies_ms.append((time.time() - message.created_at.timestamp()) * 1000)
 
