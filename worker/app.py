@@ -35,6 +35,7 @@ from worker.steps.idempotency import DEFAULT_WINDOW
 from worker.steps.step import Step
 
 DEFAULT_REDIS_PREFIX = "qmq:"
+POISON_CHOICES = ("dead-letter", "stop")
 
 
 class App:
@@ -95,11 +96,16 @@ class App:
         dont_autoretry_for: Sequence[type[BaseException]] = (),
         time_limit: float | None = None,
         idempotent: Idempotent = False,
+        ordered: bool = False,
+        on_poison: str = "dead-letter",
     ) -> Callable[[Callable], Callable]:
         """Register the decorated function as the handler of `subject` for consumer `group` (default:
         the app's name). It is called with the `qmq.Message`, and with `session=` (a SQLAlchemy
         Session in the message's transaction) when it has a `session` parameter. Returns the function
-        unchanged. See docs/worker.md for every option."""
+        unchanged. `ordered`: the messages of one order key are handled one at a time in outbox
+        order, a failing one retried in place; after `max_retries`, `on_poison` says whether the key
+        goes on past its dead letter ("dead-letter") or stops until it is re-driven ("stop";
+        docs/ordering.md). See docs/worker.md for every option."""
         group = group or self.name
         options = (subject, group, "check", tuple(tags), match_all, broadcast, start or "earliest")
         SubscribeOptions(*options)  # ValueError if bad
@@ -125,6 +131,12 @@ class App:
             raise ValueError(f"{subject}/{group}: idempotent='redis' needs App(..., redis=URL or client)")
         if broadcast and idempotent:
             raise ValueError("a broadcast consumer cannot be idempotent by group: every worker must run it")
+        if on_poison not in POISON_CHOICES:
+            raise ValueError(f"on_poison must be one of {', '.join(POISON_CHOICES)}, not {on_poison!r}")
+        if ordered and (broadcast or tags):
+            raise ValueError(
+                f"{subject}/{group}: an ordered consumer takes every message of its queues: no broadcast or tags"
+            )
         if any(c.subject == subject and c.group == group for c in self.consumers):
             raise ValueError(f"{subject} already has a consumer for group {group!r} in this app")
 
@@ -148,6 +160,8 @@ class App:
                     time_limit,
                     idempotent,
                     wants_session,
+                    ordered,
+                    on_poison,
                 )
             )
             return fn

@@ -70,6 +70,12 @@ class Capacity:
             self.queued += count
             self._cond.notify_all()
 
+    def dropped(self, count: int) -> None:
+        """Pulled messages this worker will not run (an ordered queue handed out again, or parked)."""
+        with self._cond:
+            self.queued -= count
+            self._cond.notify_all()
+
     def started(self) -> None:
         with self._cond:
             self.queued -= 1

@@ -53,6 +53,8 @@ class Consumer:
     time_limit: float | None = None
     idempotent: Idempotent = False
     wants_session: bool = False
+    ordered: bool = False  # one message of a key at a time, in order (docs/ordering.md)
+    on_poison: str = "dead-letter"  # ordered: after max_retries, "dead-letter" (the key goes on) or "stop"
 
     @property
     def name(self) -> str:

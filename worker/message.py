@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from qmq.client import Delivery
+from qmq.protocol.ordering import ORDER_KEY_HEADER, base_subject
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +29,16 @@ class Message:
     created_at: datetime | None
     stored_at: datetime | None
 
+    @property
+    def order_key(self) -> str | None:
+        """The key this message is ordered by (`producer.send(..., order_key=)`), None if unordered."""
+        return self.headers.get(ORDER_KEY_HEADER)
+
     @classmethod
     def from_delivery(cls, delivery: Delivery, group: str) -> Message:
         return cls(
             delivery.id,
-            delivery.subject,
+            base_subject(delivery.subject),  # an ordered message's queue subject names its subject
             group,
             delivery.body,
             delivery.content_type,

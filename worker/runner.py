@@ -35,6 +35,7 @@ from worker.http import serve
 from worker.liveness import DEFAULT_TIMEOUT_S, BacklogProbe, Liveness, broadcast_group_key
 from worker.message import Message
 from worker.metrics import ConsumerMetrics, WorkerMetrics
+from worker.ordered_feeder import OrderedFeeder
 from worker.outcome import Kind, Outcome
 from worker.pipeline import outer_chain
 from worker.pool import Job, Pool, ProcessPool, SoloPool, ThreadPool
@@ -137,7 +138,10 @@ class Worker:
             return 0
         self.client = self.app.client(o.meta, o.brokers, o.token, client_id=self.hostname)
         self.feeders = [
-            Feeder(c, self.client, self.hostname, self.capacity, self._dispatch, o.start) for c in self.consumers
+            (OrderedFeeder if c.ordered else Feeder)(
+                c, self.client, self.hostname, self.capacity, self._dispatch, o.start
+            )
+            for c in self.consumers
         ]
         threading.Thread(target=self._cold_watch, name="qmq-cold-shutdown", daemon=True).start()
         if o.metrics_port is not None:
@@ -205,6 +209,9 @@ class Worker:
         """In a pool thread: run the chain, then settle the delivery with the broker."""
         feeder, delivery = job.feeder, job.delivery
         consumer: Consumer = feeder.consumer
+        if consumer.ordered and not feeder.admit(delivery):  # its queue's lease is in doubt: it waits
+            self._bound[id(consumer)].in_flight.dec()
+            return
         self.capacity.started()
         running = {
             "id": delivery.id,
@@ -223,7 +230,10 @@ class Worker:
                 log.exception("%s %s: a step failed", consumer.name, delivery.id)
                 outcome = consumer.retry.decide(exc, delivery.attempt)
             try:
-                settle(feeder, delivery, outcome)
+                if consumer.ordered:
+                    feeder.settle(delivery, outcome)  # retried in place, its key waiting (worker/ordered_feeder.py)
+                else:
+                    settle(feeder, delivery, outcome)
             except Exception:  # the client does not raise for a lost broker; anything else is a bug to see
                 log.exception("%s %s: settling failed; the broker will deliver it again", consumer.name, delivery.id)
         finally:
@@ -365,6 +375,9 @@ class Worker:
             self._flush()
         for subscription in self._subscriptions():
             subscription.close()  # flushes the last acks
+        for feeder in self.feeders:
+            if isinstance(feeder, OrderedFeeder):
+                feeder.leave()  # the queues go to the other workers at once, not after their leases expire
         if self.client is not None:
             self.client.close()
         if self.http is not None:

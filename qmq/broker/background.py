@@ -14,6 +14,7 @@ from qmq.broker import snapshot
 from qmq.broker.core import BrokerCore
 from qmq.broker.journal import Fired, GroupAction
 from qmq.broker.system_subjects import dead_subject, retry_subject, unwrap, user_subject, wrap
+from qmq.protocol.ordering import split_queue_subject
 from qmq.store.store import StoreError
 
 log = logging.getLogger("qmq.broker")
@@ -125,6 +126,8 @@ class BackgroundWork:
         core = self.core
         moved = 0
         for group in list(core.state.groups.values()):
+            if split_queue_subject(user_subject(group.subject)) is not None:
+                continue  # an ordered queue: its lease moves it (qmq/broker/queue_lease.py), in order
             for release, seqs in group.silent(core.clock(), core.consumer_timeout_s):
                 messages = []
                 for record in core.store.records(group.subject, seqs):

@@ -20,6 +20,8 @@ from typing import Any
 from qmq.broker.consumer_group import ConsumerGroup, UnknownConsumer
 from qmq.broker.core import BrokerCore
 from qmq.broker.journal import Create, Entry, GroupAction, Schedule
+from qmq.broker.ordered import not_held, ordered_queues, stored_subjects
+from qmq.broker.queue_lease import KeyStopped
 from qmq.broker.system_subjects import dead_subject, delivery, retry_subject, unwrap, wrap
 from qmq.protocol.errors import ErrorCode, ProtocolError
 from qmq.protocol.fields import bad, choice_field, field, int_field
@@ -67,6 +69,7 @@ class PullRequest:
     broadcast: bool
     start: str  # where a new group starts: "latest" or "earliest"
     pulled: dict[str, int]  # stored subject -> the last pull sequence the consumer has seen
+    queues: tuple[int, ...] | None = None  # an ordered pull: these queues of the subject (their holder)
 
     @classmethod
     def of(cls, body: dict[str, Any], limits: Limits) -> PullRequest:
@@ -83,13 +86,16 @@ class PullRequest:
         for stored, last in pulled.items():
             if not isinstance(stored, str) or not isinstance(last, int) or isinstance(last, bool):
                 raise bad(f"pulled must map stored subjects to pull sequences, got {stored!r}: {last!r}")
+        queues = ordered_queues(body)
+        if queues is not None and broadcast:
+            raise bad("an ordered pull (queues) cannot be a broadcast")
         key = broadcast_key(group, consumer) if broadcast else group
         if len(retry_subject(subject, key)) > limits.max_subject_len:
             raise bad(
                 f"subject {subject!r} and group {key!r} together are too long for the retry subject "
                 f"(at most {limits.max_subject_len} characters)"
             )
-        return cls(subject, key, consumer, max_count, wait_ms, tags, match_all, broadcast, start, pulled)
+        return cls(subject, key, consumer, max_count, wait_ms, tags, match_all, broadcast, start, pulled, queues)
 
 
 class Consuming:
@@ -106,11 +112,12 @@ class Consuming:
             batches, end = self._take(pull)
             if end is not None:
                 await self.core.store.durable(end)
-            if batches:
-                return {"batches": batches}
+            lost = not_held(self.core, pull)
+            if batches or (lost and pull.queues is not None and len(lost) == len(pull.queues)):
+                return {"batches": batches, "lost": lost} if lost else {"batches": batches}
             remaining = deadline - loop.time()
             if remaining <= 0 or not await self.core.wait_for_messages(pull.subject, remaining):
-                return {"batches": []}
+                return {"batches": [], "lost": lost} if lost else {"batches": []}
 
     def _take(self, pull: PullRequest) -> tuple[list[dict], int | None]:
         """Hand the consumer its next messages: due retries first, then the subject. Returns the
@@ -128,8 +135,7 @@ class Consuming:
         core, store = self.core, self.core.store
         now = core.clock()
         remaining = pull.max_count
-        retry = retry_subject(pull.subject, pull.key)
-        for stored in (retry, pull.subject):
+        for retry, stored in stored_subjects(core, pull, now):
             group = core.state.group(stored, pull.key)
             if group is None:
                 if stored == retry and not store.next_seq(retry):
@@ -216,6 +222,7 @@ class Consuming:
         core = self.core
         outcomes: list[list[Any]] = []
         entries: list[Entry] = []
+        stops: list[Entry] = []
         dead: list[Message] = []
         now = core.clock()
         for item in field(body, "nacks", list):
@@ -251,6 +258,8 @@ class Consuming:
                 why = reason or f"failed {attempt} attempts"
                 dead.append(wrap(record, dead_subject(original.subject, key), attempt, why))
                 outcomes.append(["dead", None])
+                if isinstance(item.get("stop_key"), str):  # an ordered key stops behind it (docs/ordering.md)
+                    stops.append(KeyStopped(original.subject, key, item["stop_key"]))
             else:
                 due_ms = int(now * 1000) + delay_ms
                 entries.append(
@@ -274,6 +283,8 @@ class Consuming:
         if entries:
             end = core.apply_and_commit(entries)
             core.retries_changed.set()
+        if stops:  # after the dead letters: a crash in between resends the message, never loses it
+            end = core.apply_and_commit(stops)
         if end:
             await core.store.durable(end)
         return {"outcomes": outcomes}

@@ -17,6 +17,7 @@ from qmq.broker import journal
 from qmq.broker.journal import Entry
 from qmq.broker.state import BrokerState
 from qmq.protocol.limits import ACTION_SUBJECT, DEFAULT_LIMITS, Limits
+from qmq.protocol.ordering import base_subject
 from qmq.store import record as rec
 from qmq.store.store import LogStore, Message
 
@@ -84,7 +85,8 @@ class BrokerCore:
 
     def wake(self, subjects: Iterable[str]) -> None:
         """Messages of `subjects` were stored: wake the pulls waiting for them."""
-        for subject in subjects:
+        for stored in subjects:
+            subject = base_subject(stored)  # a queue's messages wake the ordered pulls of its subject
             for future in self._waiters.pop(subject, ()):
                 if not future.done():
                     future.set_result(None)

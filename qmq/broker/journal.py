@@ -18,8 +18,11 @@ from typing import Any
 import msgpack
 
 from qmq.broker.consumer_group import Ack, Pull, Release, Reset
+from qmq.broker.queue_lease import KeyStopped, Leased
 
 CREATE, RESET, PULL, ACK, RELEASE, SCHEDULE, FIRED, REDRIVEN, DELETE = "C", "R", "P", "A", "L", "S", "F", "D", "X"
+LEASED = "Q"  # a queue lease of an ordered subject changed hands (qmq/broker/queue_lease.py)
+KEY_STOPPED = "K"  # an order key stopped at a poison message (on_poison="stop")
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class Delete:
     dead_upto: int
 
 
-Entry = Create | GroupAction | Schedule | Fired | Redriven | Delete
+Entry = Create | GroupAction | Schedule | Fired | Redriven | Delete | Leased | KeyStopped
 
 
 def runs(seqs: tuple[int, ...] | list[int]) -> list[list[int]]:
@@ -119,6 +122,10 @@ def _to_list(entry: Entry) -> list[Any]:
         return [FIRED, list(entry.ids)]
     if isinstance(entry, Delete):
         return [DELETE, entry.subject, entry.key, entry.retry_cursor, entry.dead_upto]
+    if isinstance(entry, Leased):
+        return [LEASED, entry.subject, entry.key, entry.consumer]
+    if isinstance(entry, KeyStopped):
+        return [KEY_STOPPED, entry.subject, entry.key, entry.order_key]
     if entry.seqs or entry.purged:  # older brokers read the first three fields of a plain re-drive
         return [REDRIVEN, entry.dead_subject, entry.upto, runs(entry.seqs), entry.purged]
     return [REDRIVEN, entry.dead_subject, entry.upto]
@@ -146,6 +153,10 @@ def _from_list(item: list[Any]) -> Entry:
         return Redriven(item[1], item[2])
     if kind == DELETE:
         return Delete(item[1], item[2], item[3], item[4])
+    if kind == LEASED:
+        return Leased(item[1], item[2], item[3])
+    if kind == KEY_STOPPED:
+        return KeyStopped(item[1], item[2], item[3])
     raise ValueError(f"unknown journal entry kind {kind!r}")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from qmq import metrics as prometheus
 from qmq.broker import metrics
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
+from qmq.broker.queue_lease import ORDERED_LEASE_S
 from qmq.broker.roles import Roles
 from qmq.meta.membership import Membership
 from qmq.net.server import Server, run_process, stop_on_signals
@@ -40,6 +41,7 @@ async def serve_broker(
     token: str | None = None,
     metrics_port: int | None = None,
     consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
+    ordered_lease_s: float = ORDERED_LEASE_S,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     ack_replicas: int | None = None,
     max_lag_s: float = MAX_LAG_S,
@@ -65,7 +67,11 @@ async def serve_broker(
             replicated=bool(meta),
             ack_replicas=ack_replicas,
             max_lag_s=max_lag_s,
-            service_options={"consumer_timeout_s": consumer_timeout_s, "max_attempts": max_attempts},
+            service_options={
+                "consumer_timeout_s": consumer_timeout_s,
+                "max_attempts": max_attempts,
+                "ordered_lease_s": ordered_lease_s,
+            },
         )
         if stop is None:
             stop = stop_on_signals()

@@ -27,6 +27,8 @@ from qmq.broker.background import BackgroundWork
 from qmq.broker.consuming import Consuming
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerCore, Clock
 from qmq.broker.lookup import lookup
+from qmq.broker.ordered import Ordering
+from qmq.broker.queue_lease import ORDERED_LEASE_S
 from qmq.broker.recovery import recover
 from qmq.broker.sending import Sending
 from qmq.broker.state import BrokerState
@@ -53,11 +55,13 @@ class BrokerService(Service):
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         limits: Limits = DEFAULT_LIMITS,
         clock: Clock = time.time,
+        ordered_lease_s: float = ORDERED_LEASE_S,
     ) -> None:
         """Recovers the consumption state (blocking)."""
         super().__init__(metrics.REQUESTS)
         state_dir = state_dir or store.data_dir / STATE_DIR
         state = recover(store, state_dir, clock())
+        state.leases.set_lease_s(ordered_lease_s, clock())
         self.core = BrokerCore(
             store, state, consumer_timeout_s=consumer_timeout_s, max_attempts=max_attempts, limits=limits, clock=clock
         )
@@ -79,6 +83,7 @@ class BrokerService(Service):
             RequestCode.BROKER_GROUP_CREATE: admin.group_create,
             RequestCode.BROKER_GROUP_DELETE: admin.group_delete,
             RequestCode.BROKER_CONSUMERS: admin.consumers,
+            RequestCode.BROKER_QUEUE_LOCK: Ordering(self.core).lock,
         }
 
     async def _heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:

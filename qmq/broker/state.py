@@ -11,6 +11,7 @@ from typing import Any
 
 from qmq.broker.consumer_group import ConsumerGroup, Reset
 from qmq.broker.journal import Create, Delete, Entry, Fired, GroupAction, Redriven, Schedule
+from qmq.broker.queue_lease import KeyStopped, Leased, QueueLeases
 from qmq.broker.retry import RetrySchedule
 from qmq.broker.system_subjects import dead_subject, retry_subject
 
@@ -24,6 +25,7 @@ class BrokerState:
         self.redriven: dict[str, int] = {}  # dead subject -> first sequence not yet re-driven
         self.dead_done: dict[str, set[int]] = {}  # dead subject -> sequences re-driven or purged one by one
         self.journal_seq = 0  # the next journal sequence to apply (what a snapshot covers)
+        self.leases = QueueLeases()  # who holds each queue of an ordered subject
 
     def group(self, stored_subject: str, key: str) -> ConsumerGroup | None:
         return self.groups.get((stored_subject, key))
@@ -46,6 +48,11 @@ class BrokerState:
             self.retries.fired(entry.ids)
         elif isinstance(entry, Redriven):
             self._dead_handled(entry.dead_subject, entry.upto, entry.seqs)
+            self.leases.redriven(entry.dead_subject, entry.purged)
+        elif isinstance(entry, Leased):
+            self.leases.apply(entry, now)
+        elif isinstance(entry, KeyStopped):
+            self.leases.stop(entry)
         elif isinstance(entry, Delete):
             self.groups.pop((entry.subject, entry.key), None)
             retry = retry_subject(entry.subject, entry.key)
@@ -86,6 +93,8 @@ class BrokerState:
             "retry_next_id": self.retries.next_id,
             "redriven": dict(self.redriven),
             "dead_done": {dead: sorted(seqs) for dead, seqs in self.dead_done.items()},
+            "leases": self.leases.to_state(),
+            "stopped_keys": self.leases.stopped_state(),
         }
 
     @classmethod
@@ -102,4 +111,5 @@ class BrokerState:
         state.retries.next_id = max(state.retries.next_id, int(data["retry_next_id"]))
         state.redriven = {k: int(v) for k, v in data["redriven"].items()}
         state.dead_done = {k: {int(s) for s in v} for k, v in data.get("dead_done", {}).items()}
+        state.leases.load(data.get("leases", []), now, data.get("stopped_keys", []))
         return state

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
+from qmq.broker.queue_lease import ORDERED_LEASE_S
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
 from qmq.cli.net_options import server_net_options
 from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
@@ -20,6 +21,7 @@ ACK_REPLICAS_HELP = (
     "replicas that must hold a send durably before it is acknowledged [default: 1 when the group has a "
     "replica, else 0]; fewer in sync: the group answers sends READ_ONLY"
 )
+ORDERED_LEASE_HELP = "seconds a consumer's lease on an ordered subject's queue lasts unless renewed (docs/ordering.md)"
 MAX_LAG_HELP = "a replica that has not caught up with the master for this long is out of sync (e.g. 5s, 500ms)"
 
 # Shared with `qmq delay-server`.
@@ -56,6 +58,7 @@ ADVERTISE_EXTERNAL = click.option(
     "seconds of silence after which a consumer's unacked messages go to others",
     "consumer_timeout_s",
 )
+@tuning("--ordered-lease", click.FloatRange(min=1), ORDERED_LEASE_S, ORDERED_LEASE_HELP, "ordered_lease_s")
 @tuning(
     "--max-attempts",
     click.IntRange(1),

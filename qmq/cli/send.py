@@ -36,6 +36,12 @@ DELAY_HELP = "deliver after this many seconds (through a delay server)"
 @client_options
 @click.option("--tag", "tags", multiple=True, help="a tag consumers can filter on (repeat for several)")
 @click.option("--key", default=None, help="the message key (indexed by the broker for look-ups)")
+@click.option(
+    "--order-key",
+    default=None,
+    metavar="K",
+    help="order per key: the messages of one key are handled in the order sent (docs/ordering.md)",
+)
 @click.option("--header", "headers", multiple=True, metavar="K=V", help="a header (repeat for several)")
 @click.option("--json", "as_json", is_flag=True, help="BODY is JSON: send it as application/json")
 @click.option("--delay", type=click.FloatRange(min=0), metavar="SECONDS", help=DELAY_HELP)
@@ -57,6 +63,7 @@ def send(
     log_level: str,
     tags: tuple[str, ...],
     key: str | None,
+    order_key: str | None,
     headers: tuple[str, ...],
     as_json: bool,
     delay: float | None,
@@ -70,6 +77,10 @@ def send(
     stored it (with --delay or --at: once a delay server has). The body is BODY (text), --size
     random bytes, or else all of standard input."""
     deliver_at = _deliver_at(delay, at)
+    if order_key is not None and deliver_at is not None:
+        raise click.UsageError(
+            "--order-key cannot be combined with --delay or --at: a delayed message leaves its order"
+        )
     make_body = _body_maker(body, size, as_json)
     header_map = _parse_headers(headers)
     client = make_client(meta, brokers, token, log_level, batch_size=batch, delay_servers=list(delay_servers))
@@ -87,6 +98,7 @@ def send(
                     headers=header_map,
                     deliver_at=deliver_at,
                     content_type=JSON if as_json else None,
+                    order_key=order_key,
                 )
                 for _ in range(n)
             ]

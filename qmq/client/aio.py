@@ -71,6 +71,7 @@ class AsyncClient(ClientCore):
     send_one = awaiting(ClientCore.send_one)
     cancel = awaiting(ClientCore.cancel)
     subscribe = awaiting(ClientCore.subscribe)
+    lock_queues = awaiting(ClientCore.lock_queues)
 
     async def close(self) -> None:
         """Close every subscription (flushing its acks) and every connection."""

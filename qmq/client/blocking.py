@@ -80,6 +80,7 @@ class Client(ClientCore):
     send_one = blocking(ClientCore.send_one)
     cancel = blocking(ClientCore.cancel)
     subscribe = blocking(ClientCore.subscribe)
+    lock_queues = blocking(ClientCore.lock_queues)
 
     def close(self) -> None:
         """Close every subscription (flushing its acks), every connection and the send threads."""

@@ -188,13 +188,17 @@ class SubscriptionCore:
         dead: bool = False,
         reason: str = "",
         max_attempts: int | None = None,
+        stop_key: str | None = None,
     ) -> Steps[tuple[str, Any] | None]:
         """The delivery failed: the broker gives it back to this group after `delay_s` with attempt+1,
         or dead-letters it (`dead`, or its attempt reached `max_attempts`, by default the broker's).
         Returns the broker's outcome, ("retry", due_ms) or ("dead", seq), or None when the nack
-        could not be made (the broker then delivers the message again anyway)."""
+        could not be made (the broker then delivers the message again anyway). `stop_key`: with `dead`,
+        the ordered key this message stops (`on_poison="stop"`, docs/ordering.md)."""
         with self._lock:
-            body = self._state.nack_request(delivery, delay_s, dead=dead, reason=reason, max_attempts=max_attempts)
+            body = self._state.nack_request(
+                delivery, delay_s, dead=dead, reason=reason, max_attempts=max_attempts, stop_key=stop_key
+            )
             if not self._state.is_current(delivery):
                 return None
         reply = yield Call(delivery.broker, RequestCode.BROKER_NACK, body, ACK_TIMEOUT_S)
@@ -251,6 +255,11 @@ class SubscriptionCore:
                 log.warning("heartbeat to %s failed: %s", address, reply)
 
     # ---- for the drivers -----------------------------------------------------------------------------
+
+    def set_queues(self, queues: list[int]) -> None:
+        """An ordered subscription: the queues its next pulls take from (those whose leases it holds)."""
+        with self._lock:
+            self._state.queues = sorted(queues)
 
     def _register(self) -> Steps[None]:
         """Find the route and pull once from every group without waiting: this registers the consumer

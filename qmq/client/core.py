@@ -15,12 +15,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from qmq.client import sending
+from qmq.client import ordering, sending
 from qmq.client.deliveries import (
     SubscribeOptions,
     default_consumer_id,
 )
 from qmq.client.messages import OutgoingMessage, SendError, SendResult
+from qmq.client.ordering import QueueLocks
 from qmq.client.routes import Route, RouteBook, resolve_delay_servers, resolve_servers
 from qmq.client.sending import (
     DEFAULT_BATCH_SIZE,
@@ -104,6 +105,20 @@ class ClientCore:
             raise SendError(result)
         return result
 
+    def lock_queues(
+        self,
+        subject: str,
+        group: str,
+        consumer: str,
+        wanted: Iterable[int],
+        release: Iterable[int] = (),
+        *,
+        leave: bool = False,
+    ) -> Steps[QueueLocks]:
+        """Ask every broker group of the ordered `subject` for the leases of queues `wanted` (renewing
+        those held), give back `release`; see `qmq.client.ordering.lock_queues`."""
+        return ordering.lock_queues(self._routes, subject, group, consumer, wanted, release, leave=leave)
+
     def cancel(self, message_ids: Iterable[str]) -> Steps[dict[str, str]]:
         """Cancel delayed messages by id. Every delay server is asked (the message is on one of
         them); the outcome per id is "cancelled" (it will never be delivered), "too_late" (it was
@@ -121,6 +136,7 @@ class ClientCore:
         match_all: bool = False,
         broadcast: bool = False,
         start: str = "latest",
+        ordered: bool = False,
     ) -> Steps[Any]:
         """Consume `subject` as consumer group `group` from every broker group of its route.
 
@@ -130,9 +146,10 @@ class ClientCore:
         subscription registers with every broker before returning, so a message sent after
         `subscribe` returns reaches a new group. Raises `InvalidSubscription` (a ValueError) for
         what a broker would refuse, `MetaUnreachable`, or `NoRoute` when no broker group carries
-        the subject."""
+        the subject. `ordered`: take only the queues set with `set_queues`, whose leases
+        `lock_queues` got (docs/ordering.md; the worker does both)."""
         options = SubscribeOptions(
-            subject, group, consumer or default_consumer_id(), tuple(tags), match_all, broadcast, start
+            subject, group, consumer or default_consumer_id(), tuple(tags), match_all, broadcast, start, ordered
         )
         subscription = yield Subscribe(options)
         self._subscriptions.add(subscription)

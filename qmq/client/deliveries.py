@@ -58,6 +58,7 @@ class SubscribeOptions:
     match_all: bool = False
     broadcast: bool = False
     start: str = "latest"
+    ordered: bool = False  # pulls name the queues held (`SubscriptionState.queues`; docs/ordering.md)
 
     def __post_init__(self) -> None:
         try:
@@ -157,6 +158,8 @@ class AckTracker:
         if self.base is None:
             self.base = first_pull
             self.received_upto = self.done_upto = self.acked_upto = first_pull - 1
+        elif first_pull > self.received_upto + 1:
+            self._skipped(first_pull)
         new = []
         for seq in range(first_pull, first_pull + count):
             if seq > self.received_upto and seq not in self._received:
@@ -166,6 +169,23 @@ class AckTracker:
             self.received_upto += 1
             self._received.discard(self.received_upto)
         return new
+
+    def _skipped(self, first_pull: int) -> None:
+        """The broker answered from `first_pull` though this consumer named `received_upto` as the end
+        of what it received: it resends everything after that which is not acknowledged, so the
+        sequences in between that never arrived are acknowledged there (given to another consumer: a
+        silent consumer's release, an ordered queue's new holder). They count as received and done
+        here, or the acknowledgements would wait for them for ever."""
+        for seq in range(self.received_upto + 1, first_pull):
+            if seq not in self._received:
+                self._received.add(seq)
+                self._done.add(seq)
+        while self.received_upto + 1 in self._received:
+            self.received_upto += 1
+            self._received.discard(self.received_upto)
+        while self.done_upto + 1 in self._done:
+            self.done_upto += 1
+            self._done.discard(self.done_upto)
 
     def done(self, pull_seq: int) -> None:
         if pull_seq <= self.done_upto or not self._was_received(pull_seq):
@@ -194,6 +214,8 @@ class SubscriptionState:
         self._trackers: dict[TrackerKey, AckTracker] = {}
         self._epochs = itertools.count(1)
         self._drops: dict[str, int] = defaultdict(int)  # trackers dropped so far, by broker address
+        # An ordered subscription's queues whose leases it holds: its pulls take only those.
+        self.queues: list[int] | None = [] if options.ordered else None
 
     def generation(self, address: str) -> int:
         """Changes whenever a tracker of `address` is dropped. A pull reply is only accepted with
@@ -216,6 +238,7 @@ class SubscriptionState:
             "broadcast": o.broadcast,
             "start": o.start,
             "pulled": pulled,
+            **({"queues": list(self.queues)} if self.queues is not None else {}),
         }
 
     def accept(self, address: str, reply: dict[str, Any], generation: int | None = None) -> list[Delivery]:
@@ -298,6 +321,7 @@ class SubscriptionState:
         dead: bool = False,
         reason: str = "",
         max_attempts: int | None = None,
+        stop_key: str | None = None,
     ) -> dict[str, Any]:
         if not delay_s >= 0 or delay_s == float("inf"):
             raise ValueError(f"delay_s must be a finite number of seconds >= 0, not {delay_s!r}")
@@ -315,6 +339,8 @@ class SubscriptionState:
         }
         if max_attempts is not None:
             nack["max_attempts"] = int(max_attempts)
+        if stop_key is not None:  # an ordered key stops behind this dead letter (docs/ordering.md)
+            nack["stop_key"] = stop_key
         return {"nacks": [nack]}
 
     def heartbeat_requests(self) -> dict[str, dict[str, Any]]:

@@ -18,7 +18,8 @@ from qmq.client.errors import ClientError, InvalidMessage
 from qmq.ids import new_id
 from qmq.protocol import envelope
 from qmq.protocol.errors import ProtocolError
-from qmq.protocol.limits import DEFAULT_LIMITS, validate_sent_message
+from qmq.protocol.limits import DEFAULT_LIMITS, MAX_KEY_LEN, validate_sent_message, validate_subject
+from qmq.protocol.ordering import ORDER_KEY_HEADER, queue_of, queue_subject
 
 
 def now_ms() -> int:
@@ -43,22 +44,36 @@ class OutgoingMessage:
     # When to deliver: an aware datetime, or ms since the epoch. In the future: the message goes to a
     # delay server, which hands it to a broker then; None or a time already past: straight to a broker.
     deliver_at: datetime | int | None = None
+    # Ordered per key (docs/ordering.md): sent to the key's logical queue `subject#queue`, on the one
+    # broker group that queue belongs to, never elsewhere; the key travels in a header.
+    order_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.deliver_at is not None:
             object.__setattr__(self, "deliver_at", deliver_at_ms(self.deliver_at))
+        if self.order_key is not None:
+            check_order_key(self.order_key, self.deliver_at)
 
     def to_wire(self, known_subjects: set[str] | None = None) -> dict[str, Any]:
         """`{"id", "subject", "payload", "key", "tags"}` as BROKER_SEND carries the message, its body
         wrapped in the envelope, checked as a broker checks it (see `check_message`).
         `known_subjects`: subjects already found valid, to skip."""
+        headers = dict(self.headers) if self.headers else None
+        subject = self.subject
+        if self.order_key is not None:
+            headers = {**(headers or {}), ORDER_KEY_HEADER: self.order_key}
+            try:
+                validate_subject(subject)  # the subject itself, not one of its queues
+            except ProtocolError as exc:
+                raise InvalidMessage(exc.code, exc.message) from None
+            subject = queue_subject(subject, queue_of(self.order_key))
         payload = envelope.encode(
             self.body,
-            headers=dict(self.headers) if self.headers else None,
+            headers=headers,
             created_at=self.created_at,
             content_type=self.content_type,
         )
-        wire = {"id": self.id, "subject": self.subject, "payload": payload, "key": self.key, "tags": list(self.tags)}
+        wire = {"id": self.id, "subject": subject, "payload": payload, "key": self.key, "tags": list(self.tags)}
         return check_wire(wire, known_subjects)
 
 
@@ -97,6 +112,16 @@ def check_message(message: OutgoingMessage) -> dict[str, Any]:
     TypeError for a body that cannot be encoded. For code that keeps a message to send later (an
     outbox), so that a message no broker would ever take is refused in its caller."""
     return message.to_wire()
+
+
+def check_order_key(order_key: object, deliver_at: object = None) -> str:
+    """`order_key` if it can order messages: a non-empty string of at most MAX_KEY_LEN bytes, on a
+    message that is not delayed (a delayed message would overtake or fall behind its key's others)."""
+    if not isinstance(order_key, str) or not order_key or len(order_key.encode()) > MAX_KEY_LEN:
+        raise ValueError(f"order_key must be a non-empty string of at most {MAX_KEY_LEN} bytes, not {order_key!r}")
+    if deliver_at is not None:
+        raise ValueError("an ordered message (order_key=) cannot be delayed: it would leave its key's order")
+    return order_key
 
 
 def deliver_at_ms(value: datetime | int) -> int:

@@ -26,6 +26,7 @@ from qmq.client.errors import ClientError, ConnectFailed, MetaUnreachable, NoRou
 from qmq.client.steps import Call, Steps
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import RemoteError
+from qmq.protocol.ordering import split_queue_subject
 
 log = logging.getLogger("qmq.client")
 
@@ -107,7 +108,11 @@ def parse_route(subject: str, reply: dict[str, Any]) -> Route:
 def static_route(subject: str, brokers: Sequence[str], delay_servers: Sequence[str] = ()) -> Route:
     """The route when broker (and delay server) addresses are given directly: every address is a
     group of its own, named by its address, and always assumed writable (a failed send tries the
-    next one)."""
+    next one). A queue of an ordered subject (`subject#queue`) is on one of them, by its number, so a
+    key's messages never spread (docs/ordering.md)."""
+    queue = split_queue_subject(subject)
+    if queue is not None and brokers:
+        brokers = [brokers[queue[1] % len(brokers)]]
     return Route(
         subject,
         tuple(RouteGroup(address, (address,)) for address in brokers),

@@ -161,22 +161,39 @@ class SendJob:
         return [r for r in self._results if r is not None]
 
     def pending_subjects(self) -> set[str]:
-        return {self.messages[i].subject for i in self._pending()}
+        return {self.route_subject(i) for i in self._pending()}
+
+    def route_subject(self, i: int) -> str:
+        """The subject whose route message `i` follows: its own, or for an ordered message its
+        queue's (`subject#queue`, whose route is the one group holding that queue)."""
+        wire = self.wires[i]
+        return wire["subject"] if wire is not None else self.messages[i].subject
 
     def fail_subject(self, subject: str, code: int, text: str) -> None:
         """Give up on every pending message of `subject` (its route cannot be had)."""
         for i in self._pending():
-            if self.messages[i].subject == subject:
+            if self.route_subject(i) == subject:
                 self._results[i] = self._failure(self.messages[i], code, text)
 
     def plan(self, routes: Mapping[str, Route], health: GroupHealth | None = None, now: float = 0.0) -> list[SendBatch]:
         """The batches for the next round: each pending message offered to one group. Messages with
         no writable group left, or out of attempts, fail here with the last error they met."""
-        by_group: dict[tuple[bool, str], tuple[RouteGroup, list[int]]] = {}
+        by_group: dict[tuple[bool, str, str | None], tuple[RouteGroup, list[int]]] = {}
         self.retry_delay_s = 0.0
+        queue_room: dict[str, tuple[int, int]] = {}  # an ordered queue's messages in this round, bytes
         for i in self._pending():
             message = self.messages[i]
-            route = routes.get(message.subject)
+            queue = self.route_subject(i) if getattr(message, "order_key", None) is not None else None
+            if queue is not None:
+                # An ordered queue's messages go one batch per round, so that no two requests of one
+                # queue are in flight at once (they could be stored in either order).
+                count, size = queue_room.get(queue, (0, 0))
+                wire = self.wires[i]
+                assert wire is not None
+                if count and (count >= self.batch_size or size + len(wire["payload"]) > self.max_batch_bytes):
+                    continue
+                queue_room[queue] = (count + 1, size + len(wire["payload"]))
+            route = routes.get(self.route_subject(i))
             delayed = self.delayed[i]
             if delayed and route is not None:
                 route = route.delay_route
@@ -205,9 +222,9 @@ class SendJob:
             if again:
                 self.retry_delay_s = RETRY_DELAY_S
             self._tried[i].append(group.name)
-            by_group.setdefault((delayed, group.name), (group, []))[1].append(i)
+            by_group.setdefault((delayed, group.name, queue), (group, []))[1].append(i)
         batches = []
-        for (delayed, _name), (group, indices) in by_group.items():
+        for (delayed, _name, _queue), (group, indices) in by_group.items():
             batch: list[int] = []
             size = 0
             for i in indices:
@@ -308,7 +325,7 @@ def send(
                     )
                     with health.lock:
                         health.failed(batch.group, time.monotonic())
-                    refresh |= {job.messages[i].subject for i in batch.indices}
+                    refresh |= {job.route_subject(i) for i in batch.indices}
             else:
                 job.on_reply(batch, outcome)
                 with health.lock:

@@ -98,3 +98,14 @@ lease = sa.Table(
     sa.Column("holder", sa.String(ADDRESS_LEN), nullable=True),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
 )
+
+# Ordered subjects (docs/ordering.md): the broker group of each logical queue, chosen once, when the
+# subject's first ordered message or consumer asked, and never changed by a route change.
+queue = sa.Table(
+    "qmq_meta_queue",
+    metadata,
+    sa.Column("subject", sa.String(NAME_LEN), primary_key=True),
+    sa.Column("queue", sa.Integer(), primary_key=True),
+    sa.Column("group_name", sa.String(NAME_LEN), sa.ForeignKey("qmq_meta_group.name"), nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+)

@@ -21,6 +21,7 @@ from prometheus_client import Gauge
 from qmq import metrics
 from qmq.db.engine import create_engine, safe_url
 from qmq.db.migrate import upgrade
+from qmq.meta import ordering
 from qmq.meta.credentials import CredentialStore, LocalAuthenticator, credential_handlers
 from qmq.meta.election import FAILOVER_AFTER_S, Election
 from qmq.meta.listeners import external_view, internal_view, viewed
@@ -37,6 +38,7 @@ from qmq.net.service import Service
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.fields import bad, choice_field, field
 from qmq.protocol.limits import validate_group, validate_subject
+from qmq.protocol.ordering import split_queue_subject
 
 log = logging.getLogger("qmq.meta")
 
@@ -154,6 +156,8 @@ class MetaService(Service):
     async def _route(self, body: dict[str, Any]) -> dict[str, Any]:
         subject = validate_subject(field(body, "subject", str))
         create = field(body, "create", bool, False)
+        if split_queue_subject(subject) is not None:  # one queue of an ordered subject: its one group
+            return (await self._db(ordering.queue_route, self.registry, subject)).to_wire()
         route = await self._db(self.registry.route, subject, create=create)
         if route.added:
             all_groups = [g.name for g in route.groups]

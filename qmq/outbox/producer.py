@@ -90,6 +90,7 @@ class Producer:
         headers: Mapping[str, str] | None = None,
         delay: float | timedelta | None = None,
         deliver_at: datetime | None = None,
+        order_key: str | None = None,
         session: Any = None,
         connection: Any = None,
     ) -> str:
@@ -99,7 +100,9 @@ class Producer:
         of the producer's alias or Flask-SQLAlchemy `db.session`; with none of them, NotInTransaction.
         Bodies: bytes, str, or anything JSON can encode (the content type is recorded). With `delay`
         (seconds or a timedelta) or `deliver_at` (an aware datetime), the message goes to the delay
-        server and is delivered then, never before."""
+        server and is delivered then, never before. With `order_key`, the messages of one subject
+        and key are shipped and handled in outbox order, one at a time per consumer group
+        (docs/ordering.md); an ordered message cannot be delayed."""
         if session is not None or connection is not None:
             transaction = self.flavour.given_transaction(self.handoff, session, connection)
         else:
@@ -110,7 +113,7 @@ class Producer:
                 f"message could neither commit nor roll back with your work. {self.flavour.how_to_join()}. "
                 "For a message that belongs to no transaction, call producer.send_now(...)."
             )
-        values, shipment = self._prepare(subject, body, key, tags, headers, delay, deliver_at)
+        values, shipment = self._prepare(subject, body, key, tags, headers, delay, deliver_at, order_key)
         self._write(transaction, values, shipment)
         return shipment.message.id
 
@@ -133,6 +136,7 @@ class Producer:
         headers: Mapping[str, str] | None,
         delay: float | timedelta | None,
         deliver_at: datetime | None,
+        order_key: str | None = None,
     ) -> tuple[dict[str, Any], Shipment]:
         """The outbox row's values and the message, checked: raises now, in the caller, for what a
         broker would refuse, rather than in the relay, forever."""
@@ -140,7 +144,14 @@ class Producer:
         raw, content_type = bodies.encode(body, self.encoder)
         headers = {**(headers or {}), envelope.PRODUCER_HEADER: f"outbox:{self.flavour.database_name()}"}
         message = OutgoingMessage(
-            subject, raw, key=key, tags=tuple(tags), headers=headers, content_type=content_type, deliver_at=when
+            subject,
+            raw,
+            key=key,
+            tags=tuple(tags),
+            headers=headers,
+            content_type=content_type,
+            deliver_at=when,
+            order_key=order_key,
         )
         check_message(message)  # InvalidMessage with the broker's code for what a broker would refuse
         values = {
@@ -152,6 +163,7 @@ class Producer:
             "tags": list(message.tags) or None,
             "key": key,
             "deliver_at": when,
+            "order_key": order_key,
         }
         return values, Shipment(message)
 

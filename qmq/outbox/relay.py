@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from qmq.client.blocking import Client
 from qmq.db.engine import create_engine, safe_url
-from qmq.outbox import metrics, rows, shipping
+from qmq.outbox import metrics, ordered_shipping, rows, shipping
 from qmq.outbox.notify import Listener
 
 log = logging.getLogger(__name__)
@@ -125,12 +125,13 @@ class DatabaseRelay:
             while not self.stop.is_set():
                 try:
                     report = self.ship_batch(client, token)
+                    ordered = self.ship_ordered(client)
                     failures = 0
                 except sa.exc.SQLAlchemyError as exc:
                     failures += 1
                     self._database_error(exc, failures)
                     continue
-                if report is None:
+                if report is None and (ordered is None or not ordered.keys):
                     self._sleep_until_due()
         finally:
             client.close()
@@ -196,6 +197,27 @@ class DatabaseRelay:
         self._summarise(len(report.sent))
         return report
 
+    def ship_ordered(self, client: Client) -> ordered_shipping.OrderedReport | None:
+        """One pass over ordered rows: the keys whose oldest row is ready, each shipped in order under
+        its lock (qmq/outbox/ordered_shipping.py); None when no key was ready."""
+        started = time.perf_counter()
+        with self.engine.connect() as conn:
+            report = ordered_shipping.ship_ready_keys(conn, client)
+        if report is None or not report.keys:
+            return report
+        metrics.BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
+        metrics.SHIPPED.labels(self.name).inc(len(report.sent))
+        if report.failed:
+            metrics.SEND_FAILED.labels(self.name).inc(len(report.failed))
+            log.warning(
+                "database %s: %d ordered rows not shipped, their keys wait for the backoff: %s",
+                self.name,
+                len(report.failed),
+                report.failed[0].error,
+            )
+        self._summarise(len(report.sent))
+        return report
+
     def housekeeping(self) -> int:
         """Flag rows pending too long and update the backlog gauges; the number flagged now."""
         with self.engine.begin() as conn:
@@ -248,6 +270,12 @@ class DatabaseRelay:
                 report.failed += len(batch.failed)
                 if batch.failed:
                     break  # the rest waits for the backoff
+            while not self.stop.is_set():
+                ordered = self.ship_ordered(client)
+                if ordered is None or not ordered.keys:
+                    break
+                report.shipped += len(ordered.sent)
+                report.failed += len(ordered.failed)
             report.flagged = self.housekeeping()
             report.purged = self.purge()
             with self.engine.connect() as conn:

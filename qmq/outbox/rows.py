@@ -60,7 +60,17 @@ def insert(dialect: str, leased: bool) -> sa.Insert:
     return stmt
 
 
-INSERT_COLUMNS = ("message_id", "subject", "body", "content_type", "headers", "tags", "key", "deliver_at")
+INSERT_COLUMNS = (
+    "message_id",
+    "subject",
+    "body",
+    "content_type",
+    "headers",
+    "tags",
+    "key",
+    "deliver_at",
+    "order_key",
+)
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,8 @@ class ClaimedRow:
     deliver_at: object  # datetime or None
     attempts: int
     created_at: object  # datetime
+    order_key: str | None = None
+    id: int = 0  # the row's place in outbox order
 
 
 _CLAIMED_COLUMNS = (
@@ -158,12 +170,16 @@ _CLAIMED_COLUMNS = (
     outbox.c.deliver_at,
     outbox.c.attempts,
     outbox.c.created_at,
+    outbox.c.order_key,
+    outbox.c.id,
 )
 
 
 def _claimable(now: sa.ColumnElement) -> sa.ColumnElement:
+    """Unordered rows due now and not leased; ordered rows go by `qmq.outbox.ordered_rows`."""
     return sa.and_(
         outbox.c.state == PENDING,
+        outbox.c.order_key.is_(None),
         outbox.c.next_attempt_at <= now,
         sa.or_(outbox.c.lease_expires_at.is_(None), outbox.c.lease_expires_at <= now),
     )
@@ -303,8 +319,8 @@ def backlog(conn: sa.Connection) -> Backlog:
 
 
 def seconds_until_due(conn: sa.Connection) -> float | None:
-    """Seconds until the soonest pending row becomes claimable (0 or less: one is due now), or None
-    when nothing is pending."""
+    """Seconds until the soonest pending unordered row becomes claimable (0 or less: one is due now),
+    or None when none is pending."""
     if conn.dialect.name == "sqlite":
         lease_or_due = sa.func.coalesce(outbox.c.lease_expires_at, outbox.c.next_attempt_at)
         ready = sa.func.max(outbox.c.next_attempt_at, lease_or_due)
@@ -314,5 +330,7 @@ def seconds_until_due(conn: sa.Connection) -> float | None:
             outbox.c.next_attempt_at, sa.func.coalesce(outbox.c.lease_expires_at, outbox.c.next_attempt_at)
         )
         wait = sa.func.extract("epoch", sa.func.min(ready) - sa.func.now())
-    value = conn.execute(sa.select(wait).where(outbox.c.state == PENDING)).scalar()
+    # Ordered rows are left out: one waiting behind an earlier row of its key is "due" and would keep a
+    # relay from sleeping; the relay looks at ordered keys every poll interval and on NOTIFY.
+    value = conn.execute(sa.select(wait).where(outbox.c.state == PENDING, outbox.c.order_key.is_(None))).scalar()
     return None if value is None else float(value)

@@ -31,6 +31,8 @@ outbox = sa.Table(
     sa.Column("headers", sa.JSON(none_as_null=True), nullable=True),
     sa.Column("tags", sa.JSON(none_as_null=True), nullable=True),
     sa.Column("key", sa.String(MAX_KEY_LEN), nullable=True),
+    # Ordered messages (docs/ordering.md): rows of one (subject, order_key) ship in `id` order.
+    sa.Column("order_key", sa.String(MAX_KEY_LEN), nullable=True),
     sa.Column("deliver_at", sa.DateTime(timezone=True), nullable=True),  # a delayed message
     sa.Column("state", sa.String(16), nullable=False, server_default=PENDING),
     sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
@@ -49,6 +51,16 @@ SENT_WHERE = sa.text(f"state = '{SENT}'")
 # The relay's claim query: pending rows due now, oldest first. Partial: sent rows (the great majority
 # in a healthy system) are not in it, so it stays small and hot.
 sa.Index("ix_qmq_outbox_pending", outbox.c.next_attempt_at, postgresql_where=PENDING_WHERE, sqlite_where=PENDING_WHERE)
+# Ordered shipping: a key's pending rows in outbox order (`id`), and the heads of every blocked key.
+ORDERED_PENDING_WHERE = sa.text(f"state = '{PENDING}' AND order_key IS NOT NULL")
+sa.Index(
+    "ix_qmq_outbox_ordered_pending",
+    outbox.c.subject,
+    outbox.c.order_key,
+    outbox.c.id,
+    postgresql_where=ORDERED_PENDING_WHERE,
+    sqlite_where=ORDERED_PENDING_WHERE,
+)
 # The purge of sent rows past the audit window.
 sa.Index("ix_qmq_outbox_sent_at", outbox.c.sent_at, postgresql_where=SENT_WHERE, sqlite_where=SENT_WHERE)
 # No index on created_at: the nightly reconciliation reads a window by ranges of `id` (the primary

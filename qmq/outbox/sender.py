@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from prometheus_client import Counter
 
 from qmq.client.blocking import Client
-from qmq.outbox import rows, shipping
+from qmq.outbox import ordered_shipping, rows, shipping
 from qmq.outbox.shipping import Shipment
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,12 @@ class Sender:
             LEFT_FOR_RELAY.labels("late").inc(len(late))
             self._log_error("%d messages waited too long for the after-commit sender; left for the relay", len(late))
             batch = [s for s in batch if s.queued_at >= oldest]
+        ordered = [s for s in batch if s.message.order_key is not None]
+        if ordered:
+            batch = [s for s in batch if s.message.order_key is None]
+            self._ship_ordered(conn, client, ordered)
+        if not batch:
+            return
         with conn.begin():
             existing = rows.still_leased(conn, [s.message.id for s in batch], self.token)
         confirmed = [s for s in batch if s.message.id in existing]
@@ -192,6 +198,21 @@ class Sender:
             LEFT_FOR_RELAY.labels("send_failed").inc(len(report.failed))
             self._log_error(
                 "%d messages could not be sent now and are left for the relay: %s",
+                len(report.failed),
+                report.failed[0].error,
+            )
+
+    def _ship_ordered(self, conn: sa.Connection, client: Client, batch: list[Shipment]) -> None:
+        """Ordered messages: shipped under their keys' locks when no earlier row of the key is
+        pending, else given back to the relay (qmq/outbox/ordered_shipping.py)."""
+        report = ordered_shipping.ship_offered(conn, client, batch, self.token)
+        SENT.inc(len(report.sent))
+        if report.given_back:
+            LEFT_FOR_RELAY.labels("ordered_behind").inc(len(report.given_back))
+        if report.failed:
+            LEFT_FOR_RELAY.labels("send_failed").inc(len(report.failed))
+            self._log_error(
+                "%d ordered messages could not be sent now and are left for the relay: %s",
                 len(report.failed),
                 report.failed[0].error,
             )

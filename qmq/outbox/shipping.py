@@ -59,6 +59,7 @@ def shipment(row: ClaimedRow) -> Shipment:
         created_at=epoch_ms(row.created_at),
         content_type=row.content_type,
         deliver_at=None if row.deliver_at is None else epoch_ms(row.deliver_at),
+        order_key=row.order_key,
     )
     return Shipment(message, row.attempts)
 

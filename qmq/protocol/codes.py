@@ -48,6 +48,9 @@ class RequestCode(IntEnum):
     )
     REPL_SWITCH = 123  # to the meta server: {"group", "to"?} -> {"group", "epoch", "master"}: a manual failover
 
+    # Ordered subjects (docs/ordering.md); an ordered pull is a BROKER_PULL with "queues".
+    BROKER_QUEUE_LOCK = 130  # {"subject", "group", "consumer", "queues", "release"} -> {"held", "members", ...}
+
     # Meta server (see docs/meta.md for the bodies).
     META_REGISTER = 200  # {"kind", "group", "address": "host:port"} -> {"heartbeat_interval_s", "read_only"}
     META_HEARTBEAT = 201  # same body and reply as META_REGISTER; an unknown server is registered

@@ -30,7 +30,9 @@ MAX_PULL_MESSAGES = 4096  # messages in one pull reply
 MAX_PULL_WAIT_MS = 30_000  # how long one long-polling pull may wait
 
 SUBJECT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
-SYSTEM_SUBJECT_RE = re.compile(r"%(RETRY|DEAD)%[A-Za-z0-9._\-]+%[A-Za-z0-9._\-]+|%ACTION%")
+SYSTEM_SUBJECT_RE = re.compile(r"%(RETRY|DEAD)%[A-Za-z0-9._\-]+(#[0-9]{1,4})?%[A-Za-z0-9._\-]+|%ACTION%")
+# One logical queue of an ordered subject, `subject#queue` (qmq/protocol/ordering.py).
+QUEUE_SUBJECT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*#(?:[0-9]|[1-5][0-9]|6[0-3])")
 ACTION_SUBJECT = "%ACTION%"  # the broker's action journal (qmq/broker/journal.py)
 GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")  # broker groups and consumer groups
 TAG_RE = re.compile(r"[A-Za-z0-9._\-:]+")
@@ -62,7 +64,11 @@ def validate_subject(subject: object, *, allow_system: bool = False, limits: Lim
             f"subject is {len(subject)} characters, the limit is {limits.max_subject_len}",
             fatal=False,
         )
-    if SUBJECT_RE.fullmatch(subject) or (allow_system and SYSTEM_SUBJECT_RE.fullmatch(subject)):
+    if (
+        SUBJECT_RE.fullmatch(subject)
+        or QUEUE_SUBJECT_RE.fullmatch(subject)
+        or (allow_system and SYSTEM_SUBJECT_RE.fullmatch(subject))
+    ):
         return subject
     raise ProtocolError(
         ErrorCode.BAD_SUBJECT,
