@@ -159,9 +159,11 @@ class Roles:
 
     async def handle(self, request: Request, peer: PeerInfo) -> dict[str, Any] | None:
         code = request.code
-        if code == RequestCode.PING:
-            return request.body if isinstance(request.body, dict) else {}
         service, followers = self.service, self.followers
+        if code == RequestCode.PING:  # answered whatever the role; counted by the service when there is one
+            if service is not None:
+                return await service.handle(request, peer)
+            return request.body if isinstance(request.body, dict) else {}
         if self.role is not Role.MASTER or service is None:
             if code == RequestCode.BROKER_STATS:
                 return self.stats()
