@@ -70,11 +70,16 @@ class ClientSide(Generic[W]):
             Role.CLIENT, limits=limits, token=resolve_token(token), client_id=client_id or default_client_id()
         )
         self.error: ConnectionError | None = None
+        self.refusal: RemoteError | None = None  # the server's error frame that ended the connection
         self._waiters: dict[int, W] = {}
 
     def handshake(self, waiter: W) -> tuple[int, bytes]:
         """The handshake request's id and bytes, to write first; its reply settles `waiter` with the
-        server's info (version, max_frame_bytes), or RemoteError when the server refuses it."""
+        server's info (version, max_frame_bytes), or RemoteError when the server refuses it. A server
+        that refused the connection before the handshake was written (over a connection cap) has its
+        refusal raised here."""
+        if self.error is not None:
+            raise fresh_copy(self.refusal or self.error)
         request_id, data = self.protocol.start_handshake()
         self._waiters[request_id] = waiter
         return request_id, data
@@ -105,7 +110,7 @@ class ClientSide(Generic[W]):
         settled: list[tuple[W, Outcome]] = []
         while (event := self.protocol.next_event()) is not NEED_DATA:
             if isinstance(event, ErrorReply) and event.concerns_connection:
-                refused = RemoteError(event.code, event.message)
+                refused = self.refusal = RemoteError(event.code, event.message)
                 lost = self.lose(ConnectionError(f"{self.address} closed the connection: {refused}"))
                 return settled + [(waiter, fresh_copy(refused)) for waiter in lost]
             waiter = self._waiters.pop(event.request_id, None)
