@@ -121,7 +121,7 @@ class Consuming:
         try:
             self._take_into(entries, batches, pull)
         finally:
-            end = self.core.commit(entries) if entries else None
+            end = self.core.commit(entries, delivery=True) if entries else None
         return batches, end
 
     def _take_into(self, entries: list[Entry], batches: list[dict], pull: PullRequest) -> None:
@@ -204,7 +204,7 @@ class Consuming:
             if action is not None:
                 entries.append(GroupAction(stored, key, action))
         if entries:  # the acks before a bad one are applied: journal them too
-            end = self.core.commit(entries)
+            end = self.core.commit(entries, delivery=True)
             if error is not None:
                 raise error
             await self.core.store.durable(end)

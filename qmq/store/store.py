@@ -19,7 +19,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -29,6 +29,7 @@ from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subjec
 from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
 from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, Entry, pack_entry
+from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
 from qmq.store.files import fsync_dir, read_json, write_json
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
@@ -118,7 +119,13 @@ class LogStore:
         self._next_seq: dict[str, int] = {}
         self._subject_bytes: dict[str, bytes] = {}
         self._consume_logs: dict[str, ConsumeLog] = {}
-        self._failed: BaseException | None = None
+        self._failed: BaseException | None = None  # a write failure that only a reopen clears
+        self._failed_reason: str | None = None
+        self._out_of_space: str | None = None  # why, while the disk is full (cleared by a probe)
+        self._out_of_space_since = 0.0
+        # Test hook (documented in docs/operating.md): called with what is about to be written; an
+        # OSError it raises is handled exactly as the write's own would be.
+        self.write_hook: Callable[[str], None] | None = None
         self._checkpointed = threading.Condition()
         self.checkpoint_offset = 0  # of the last checkpoint written
         self.index: KeyIndex | None = None
@@ -290,27 +297,93 @@ class LogStore:
                 if isinstance(exc, StoreError | ProtocolError):
                     raise
                 raise StoreError(f"bad message in batch: {exc}") from exc
+            start_end, index_state = self.message_log.end_offset, self.index.state()
             try:
+                if self.write_hook is not None:
+                    self.write_hook("append")
                 self.message_log.append(encoded)  # offsets are continuous across segments: as computed
                 for subject, (first, entries) in runs.items():
                     self._consume_log(subject).write(first, b"".join(entries))
                 self.index.add(index_pairs)
             except OSError as exc:  # disk full, I/O error: a partial record may be on disk
-                self._failed = exc
-                log.critical(
-                    "append failed, the store is read-only until reopened (which cuts a partial record and "
-                    "derives the consume logs and index again from the message log): %s",
-                    exc,
-                )
-                raise StoreError(f"append failed: {exc}") from exc
+                first_seqs = {subject: run[0] for subject, run in runs.items()}
+                _rewind(next_seq, first_seqs)
+                self._undo_append(start_end, index_state, first_seqs, exc)
+                raise StoreError(f"the store is read-only: {self.read_only_reason}") from exc
         return results
+
+    def _undo_append(self, end: int, index_state: dict, first_seqs: dict[str, int], exc: OSError) -> None:
+        """Take back a failed append (the log, consume logs and index as they were before it), then
+        turn read-only: for a while if the disk was full, else until reopened."""
+        try:
+            self.message_log.undo_append(end)
+            for subject, first in first_seqs.items():
+                self._consume_log(subject).truncate(first)
+            self.index.restore(index_state)
+        except OSError as undo_exc:
+            self._fail(undo_exc, f"undoing a failed append ({exc}) failed too")
+            return
+        self.write_failed(exc, "append")
+
+    def write_failed(self, exc: BaseException, what: str) -> None:
+        """A write of the store (or of a server beside it: snapshot, journal) failed with `exc`: out of
+        space turns the store read-only until a probe finds space again; anything else until it is
+        reopened (disk_space.py)."""
+        if is_out_of_space(exc):
+            with self._lock:
+                if self._out_of_space is None and self._failed is None:
+                    self._out_of_space = f"{what} failed: {exc}"
+                    self._out_of_space_since = time.monotonic()
+                    log.error(
+                        "the store is read-only until space is freed (probing every %ss): %s failed: %s",
+                        PROBE_INTERVAL_S,
+                        what,
+                        exc,
+                    )
+        else:
+            self._fail(exc, f"{what} failed")
+
+    def _fail(self, exc: BaseException, what: str) -> None:
+        with self._lock:
+            if self._failed is None:
+                self._failed = exc
+                self._failed_reason = f"{what}: {exc}"
+                log.critical(
+                    "the store is read-only until reopened (which checks the log from its durable point and "
+                    "derives the consume logs and index again): %s",
+                    self._failed_reason,
+                )
+
+    @property
+    def out_of_space(self) -> bool:
+        """Read-only only because the disk is full (reads and in-memory work go on)."""
+        return self._out_of_space is not None and self._failed is None and self.flusher.error is None
+
+    @property
+    def read_only_reason(self) -> str | None:
+        """Why the store takes no writes now, or None if it does."""
+        if self._failed is not None:
+            return self._failed_reason
+        if self.flusher.error is not None:
+            return f"an fsync failed, nothing more is acknowledged until the store is reopened: {self.flusher.error}"
+        return self._out_of_space
+
+    def probe_space(self) -> bool:
+        """While out of space: if space can be reserved again, take writes again. True if writable."""
+        if self._out_of_space is None:
+            return self.read_only_reason is None
+        if space_available(self.data_dir):
+            with self._lock:
+                self._out_of_space = None
+            log.warning("space is available again: the store takes writes again")
+        return self.read_only_reason is None
 
     def _check_writable(self) -> None:
         if self._closed:
             raise StoreError("the store is closed")
-        if self._failed is not None:
-            raise StoreError(f"the store failed to write earlier and is read-only until reopened: {self._failed}")
-        self.flusher.check()
+        reason = self.read_only_reason
+        if reason is not None:
+            raise StoreError(f"the store is read-only: {reason}")
 
     def _new_subject(self, subject: str) -> bytes:
         validate_subject(subject, allow_system=True)
@@ -518,10 +591,19 @@ class LogStore:
         try:
             for fd in fds:
                 os.fsync(fd)
+        except OSError as exc:  # never retried as if it had worked (disk_space.py)
+            self._fail(exc, "fsync of the derived logs for a checkpoint")
+            raise
         finally:
             for fd in fds:
                 os.close(fd)
-        ckpt.save(self._checkpoint_dir, checkpoint)
+        try:
+            if self.write_hook is not None:
+                self.write_hook("checkpoint")
+            ckpt.save(self._checkpoint_dir, checkpoint)
+        except OSError as exc:
+            self.write_failed(exc, "checkpoint")
+            raise
         with self._checkpointed:
             self.checkpoint_offset = checkpoint.offset
             self._checkpointed.notify_all()
@@ -534,7 +616,7 @@ class LogStore:
     def checkpoint(self) -> None:
         """Make the derived logs durable up to the current end and record it. Not after a failed
         append: the derived logs may lack its records, which the next open derives again."""
-        if self._failed is not None:
+        if self.read_only_reason is not None:
             return
         snapshot = self._snapshot()
         self.flusher.wait_durable(snapshot[0].offset)
@@ -568,9 +650,13 @@ class LogStore:
         next_clean = time.monotonic() + self.config.clean_interval_s
         next_checkpoint = time.monotonic() + self.config.checkpoint_interval_s
         last_offset = self.message_log.end_offset
+        next_probe = 0.0
         while not self._stop.wait(BACKGROUND_TICK_S):
             try:
                 now = time.monotonic()
+                if self._out_of_space is not None and now >= next_probe:
+                    next_probe = now + PROBE_INTERVAL_S
+                    self.probe_space()
                 grown = self.message_log.end_offset - last_offset
                 if now >= next_checkpoint or grown >= self.config.checkpoint_bytes:
                     last_offset = self.message_log.end_offset
@@ -593,7 +679,7 @@ class LogStore:
         if self._background is not None:
             self._background.join()
         self.flusher.close()
-        if self.flusher.error is None and self._failed is None:
+        if self.read_only_reason is None:
             self._save_checkpoint(self._snapshot())
         with self._lock:
             self._close_files()
