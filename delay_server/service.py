@@ -246,6 +246,13 @@ class DelayService(Service):
         stats = self.scheduler.stats()
         stats["max_delay_ms"] = self.max_delay_ms
         stats["filed_upto"] = self.filed_upto
+        # the store's reason (disk full: until space is freed; I/O or fsync error: until restarted),
+        # or the schedule log's (until restarted, which files from the message log)
+        reason = self.store.read_only_reason or (
+            f"the schedule log could not be written: {self.failed}" if self.failed is not None else None
+        )
+        stats["read_only"] = reason is not None
+        stats["read_only_reason"] = reason
         return stats
 
     async def _lookup(self, body: dict[str, Any]) -> dict[str, Any]:

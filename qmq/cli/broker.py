@@ -9,6 +9,7 @@ import click
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
 from qmq.net.common import TOKEN_ENV
+from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS
 from qmq.store.store import StoreError
 
 # Shared with `qmq delay-server`.
@@ -33,7 +34,7 @@ ADVERTISE_EXTERNAL = click.option(
     type=click.Choice(["sync", "async"]),
     default="sync",
     show_default=True,
-    help="sync: reply after fsync (group commit); async: fsync every 100 ms",
+    help=f"sync: reply after fsync (group commit); async: fsync every {DEFAULT_ASYNC_INTERVAL_MS} ms",
 )
 @click.option("--token", envvar=TOKEN_ENV, default=None, help=f"token clients must present [env {TOKEN_ENV}]")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="serve Prometheus metrics here")

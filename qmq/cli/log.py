@@ -10,7 +10,9 @@ import click
 
 from delay_server import records as delay_records
 from delay_server.verify import delayed_to_json, is_delay_store, iter_scheduled, verify_delay_files
-from qmq.store.verify import iter_records, record_to_json, verify
+from qmq.broker import snapshot
+from qmq.broker.service import STATE_DIR
+from qmq.store.verify import VerifyReport, iter_records, record_to_json, verify
 
 
 @click.group()
@@ -28,9 +30,11 @@ def _data_dir(path: str) -> Path:
 @log.command("verify")
 @click.option("--data-dir", required=True, type=click.Path(exists=True, file_okay=False), help="store directory")
 def verify_cmd(data_dir: str) -> None:
-    """CRC-check every record and every consume-log entry (and a delay server's schedule log,
-    dispatch logs and cancels); exit 1 naming file and offset of each bad one."""
+    """CRC-check every record, consume-log entry, the checkpoint and the consumption snapshot (and a
+    delay server's schedule log, dispatch logs and cancels); exit 1 naming file and offset of each bad
+    one."""
     report = verify(_data_dir(data_dir))
+    _verify_snapshot(Path(data_dir), report)
     delay = verify_delay_files(Path(data_dir), report) if is_delay_store(Path(data_dir)) else None
     for note in report.notes:
         click.echo(f"note: {note}")
@@ -38,7 +42,7 @@ def verify_cmd(data_dir: str) -> None:
         click.echo(f"BAD {problem}")
     click.echo(
         f"{report.segments} segments, {report.records} records, {report.blank_records} blank, "
-        f"{report.consume_entries} consume-log entries"
+        f"{report.consume_entries} consume-log entries, {report.checked_files} checkpoints and snapshots"
         + (
             f", {delay.buckets} buckets, {delay.scheduled} scheduled, {delay.dispatched} dispatched, "
             f"{delay.cancels} cancels"
@@ -48,6 +52,19 @@ def verify_cmd(data_dir: str) -> None:
         + f": {'OK' if report.ok else 'CORRUPT'}"
     )
     sys.exit(0 if report.ok else 1)
+
+
+def _verify_snapshot(data_dir: Path, report: VerifyReport) -> None:
+    """A broker's consumption snapshot: its CRC (a broker discards a bad one and replays its journal)."""
+    directory = data_dir / STATE_DIR
+    if not (directory / snapshot.FILE_NAME).exists():
+        return
+    try:
+        snapshot.load(directory)
+    except snapshot.SnapshotError as exc:
+        report.problems.append(str(exc))
+        return
+    report.checked_files += 1
 
 
 @log.command("dump")

@@ -29,6 +29,7 @@ from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subjec
 from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
 from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, Entry, pack_entry
+from qmq.store.cross_check import checkpoint_problem
 from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
 from qmq.store.files import fsync_dir, read_json, write_json
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
@@ -153,14 +154,13 @@ class LogStore:
         except ckpt.CheckpointError as exc:
             log.warning("%s: rebuilding the derived logs from the message log", exc)
             checkpoint = None
-        if checkpoint is not None and not start <= checkpoint.offset <= self.message_log.end_offset:
-            log.warning(
-                "checkpoint offset %d is outside the message log %d..%d: rebuilding derived logs",
-                checkpoint.offset,
-                start,
-                self.message_log.end_offset,
+        if checkpoint is not None:
+            problem = checkpoint_problem(
+                checkpoint, self.message_log, self._consume_dir, self.config.consume_segment_entries
             )
-            checkpoint = None
+            if problem is not None:
+                log.warning("%s: discarding the checkpoint, rebuilding the derived logs from the message log", problem)
+                checkpoint = None
         rebuild = self.config.repair or (checkpoint is None and self.message_log.end_offset > start)
         if rebuild:
             checkpoint = ckpt.Checkpoint(offset=start, next_seq=self._sequences_on_disk(checkpoint))
