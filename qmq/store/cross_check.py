@@ -15,7 +15,7 @@ from pathlib import Path
 
 from qmq.store import record as rec
 from qmq.store.checkpoint import Checkpoint
-from qmq.store.consume_log import ConsumeLog
+from qmq.store.consume_log import ConsumeLog, DamagedEntry
 from qmq.store.message_log import MessageLog
 
 
@@ -33,6 +33,8 @@ def checkpoint_problem(
         consume_log = ConsumeLog(consume_dir / subject, entries_per_segment)
         try:
             problem = _subject_problem(subject, checkpoint, consume_log, message_log)
+        except DamagedEntry as exc:
+            problem = str(exc)
         finally:
             consume_log.close()
         if problem is not None:

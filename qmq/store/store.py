@@ -28,13 +28,14 @@ from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subject, validate_tags
 from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
-from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, Entry, pack_entry
+from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, DamagedEntry, Entry, pack_entry
 from qmq.store.cross_check import checkpoint_problem
 from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
 from qmq.store.files import fsync_dir, read_json, write_json
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
+from qmq.store.rebuild import rebuild_consume_log, rebuild_index
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
 
 log = logging.getLogger("qmq.store")
@@ -124,6 +125,9 @@ class LogStore:
         self._failed_reason: str | None = None
         self._out_of_space: str | None = None  # why, while the disk is full (cleared by a probe)
         self._out_of_space_since = 0.0
+        self.unreadable: dict[tuple[str, int], str] = {}  # (subject, seq) -> where and why, found by reads
+        self._rebuilds = 0  # derived files rebuilt while open (metrics, tests)
+        self._index_rebuilt_at = -1
         # Test hook (documented in docs/operating.md): called with what is about to be written; an
         # OSError it raises is handled exactly as the write's own would be.
         self.write_hook: Callable[[str], None] | None = None
@@ -482,7 +486,22 @@ class LogStore:
             end = self._next_seq.get(subject, 0)
             if consume_log is None or seq >= end:
                 return []
-            return consume_log.read(seq, min(count, end - seq))
+            try:
+                return consume_log.read(seq, min(count, end - seq))
+            except DamagedEntry as exc:
+                self._rebuild_consume_log(subject, str(exc))
+                return self._consume_logs[subject].read(seq, min(count, end - seq))
+
+    def _rebuild_consume_log(self, subject: str, problem: str) -> None:
+        with self._lock:
+            log.warning("%s: rebuilding the consume log of %r from the message log", problem, subject)
+            old = self._consume_logs.pop(subject, None)
+            if old is not None:
+                old.close()
+            self._consume_logs[subject] = rebuild_consume_log(
+                self.message_log, self._consume_dir / subject, subject, self.config.consume_segment_entries
+            )
+            self._rebuilds += 1
 
     def read(
         self,
@@ -516,19 +535,62 @@ class LogStore:
                 wanted_entries.append(entry)
                 if len(wanted_entries) >= max_count - len(records):
                     break
-            spans = [(e.offset, e.size) for e in wanted_entries]
-            for entry, record in zip(wanted_entries, self.message_log.read_records(spans), strict=True):
-                if record.is_blank:
+            for record in self._read_entries(subject, wanted_entries):
+                if record is None or record.is_blank:
                     continue
-                if record.subject != subject or record.seq != entry.seq:
-                    raise rec.RecordError(
-                        entry.offset,
-                        f"consume log of {subject!r} seq {entry.seq} points at {record.subject!r} seq {record.seq}",
-                    )
                 if tags and not _tags_match(record.tags, tags, match_all):
                     continue
                 records.append(record)
         return ReadResult(records, seq)
+
+    def _read_entries(self, subject: str, entries: list[Entry]) -> list[rec.Record | None]:
+        """The records `entries` of `subject`'s consume log point at, each checked to be the one its
+        entry names (subject and sequence). On a mismatch, or an entry pointing at no record, the
+        consume log is rebuilt from the message log (rebuild.py) and the entries read again one by
+        one; a record that still cannot be read is reported (`unreadable`) and comes back as None."""
+        entries = [e for e in entries if (subject, e.seq) not in self.unreadable]
+        spans = [(e.offset, e.size) for e in entries]
+        try:
+            found = self.message_log.read_records(spans)
+            wrong = next(
+                (
+                    f"consume log of {subject!r} seq {e.seq} points at {r.subject!r} seq {r.seq} (offset {e.offset})"
+                    for e, r in zip(entries, found, strict=True)
+                    if not r.is_blank and (r.subject != subject or r.seq != e.seq)
+                ),
+                None,
+            )
+            if wrong is None:
+                return list(found)
+        except rec.RecordError as exc:
+            wrong = f"consume log of {subject!r}: {exc}"
+        self._rebuild_consume_log(subject, wrong)
+        out: list[rec.Record | None] = []
+        for e in entries:
+            fresh = self.entries(subject, e.seq, 1)
+            entry = fresh[0] if fresh else None
+            if entry is None:
+                out.append(None)  # no readable record has this sequence
+                self._report_unreadable(subject, e.seq, e.offset, "no readable record has this sequence")
+                continue
+            try:
+                [record] = self.message_log.read_records([(entry.offset, entry.size)])
+            except rec.RecordError as exc:
+                self._report_unreadable(subject, e.seq, entry.offset, exc.reason)
+                out.append(None)
+                continue
+            out.append(record if record.subject == subject and record.seq == e.seq else None)
+        return out
+
+    def _report_unreadable(self, subject: str, seq: int, offset: int, reason: str) -> None:
+        """A message that cannot be read from the message log: reported once (log with file and
+        offset), kept in `unreadable` so readers move past it."""
+        if (subject, seq) in self.unreadable:
+            return
+        segment = self.message_log.segment_for(offset)
+        where = f"{segment.path} offset {offset}" if segment is not None else f"offset {offset}"
+        self.unreadable[(subject, seq)] = f"{where}: {reason}"
+        log.error("message %r seq %d cannot be read (%s): %s; readers skip it", subject, seq, where, reason)
 
     def read_record(self, offset: int) -> rec.Record:
         return self.message_log.read_record(offset)
@@ -536,45 +598,64 @@ class LogStore:
     def records(self, subject: str, seqs: Sequence[int]) -> list[rec.Record]:
         """The records of `subject` at consume-log sequences `seqs`, in that order, leaving out those
         retention removed and holes."""
-        spans = []
+        wanted = []
         start = self.message_log.start_offset
         for seq in seqs:
             entries = self.entries(subject, seq, 1)
             if entries and entries[0] is not None and entries[0].offset >= start:
-                spans.append((entries[0].offset, entries[0].size))
-        return [r for r in self.message_log.read_records(spans) if not r.is_blank]
+                wanted.append(entries[0])
+        return [r for r in self._read_entries(subject, wanted) if r is not None and not r.is_blank]
 
     def find_by_id(self, message_id: str) -> rec.Record | None:
         """The record with this message id, or None; a bounded number of reads (index.py)."""
-        for offset in self.index.find(rec.key_hash(message_id.encode())):
-            record = self._indexed_record(offset)
-            if record is not None and record.message_id == message_id:
-                return record
-        return None
+        found = self._find_indexed(rec.key_hash(message_id.encode()), lambda r: r.message_id == message_id)
+        return found[0] if found else None
 
     def find_all_by_id(self, message_id: str) -> list[rec.Record]:
         """Every record with this message id, oldest first: a broker's retry and dead-letter copies of
         a message keep its id (`qmq admin lookup`)."""
-        found = []
-        for offset in self.index.find(rec.key_hash(message_id.encode())):
-            record = self._indexed_record(offset)
-            if record is not None and record.message_id == message_id:
-                found.append(record)
+        found = self._find_indexed(rec.key_hash(message_id.encode()), lambda r: r.message_id == message_id)
         return sorted(found, key=lambda r: r.offset)
 
     def find_by_key(self, subject: str, key: str) -> list[rec.Record]:
         """Records of `subject` with this key, newest first."""
-        found = []
-        for offset in self.index.find(rec.key_hash(key.encode(), subject.encode())):
-            record = self._indexed_record(offset)
-            if record is not None and record.subject == subject and record.key == key:
-                found.append(record)
+        return self._find_indexed(
+            rec.key_hash(key.encode(), subject.encode()), lambda r: r.subject == subject and r.key == key
+        )
+
+    def _find_indexed(self, h: int, accept) -> list[rec.Record]:
+        """Records the index gives for hash `h` that `accept` confirms, newest first; looked up again
+        if an entry pointing at no record made the index be rebuilt meanwhile."""
+        for _attempt in range(2):
+            rebuilds = self._rebuilds
+            found = []
+            for offset in self.index.find(h):
+                record = self._indexed_record(offset)
+                if record is not None and accept(record):
+                    found.append(record)
+            if self._rebuilds == rebuilds:
+                break
         return found
 
     def _indexed_record(self, offset: int) -> rec.Record | None:
+        """The record an index entry points at. An entry pointing inside a record or at damage gets
+        the index rebuilt from the message log (the caller's look-up then misses this once)."""
         if offset < self.message_log.start_offset or offset >= self.message_log.end_offset:
             return None
-        return self.message_log.read_record(offset)
+        try:
+            return self.message_log.read_record(offset)
+        except rec.RecordError as exc:
+            if self._index_rebuilt_at == self.message_log.end_offset:
+                return None  # rebuilt already: the record itself is damaged
+            with self._lock:
+                log.warning("key index entry points at %s: rebuilding the index from the message log", exc)
+                self.index.close()
+                self.index = rebuild_index(
+                    self.message_log, self.data_dir / "index", self.config.index_slots, self.config.index_capacity
+                )
+                self._index_rebuilt_at = self.message_log.end_offset
+                self._rebuilds += 1
+            return None
 
     # ---- checkpoint and retention -------------------------------------------------------------
 
