@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from delay_server import records as delay_records
+from delay_server.server import STORE_CONFIG as DELAY_STORE_CONFIG
 from delay_server.verify import delayed_to_json, is_delay_store, iter_scheduled, verify_delay_files
 from qmq.broker import snapshot
 from qmq.broker.service import STATE_DIR
+from qmq.store.store import LogStore, StoreConfig, StoreError
 from qmq.store.verify import VerifyReport, iter_records, record_to_json, verify
 
 
@@ -65,6 +68,36 @@ def _verify_snapshot(data_dir: Path, report: VerifyReport) -> None:
         report.problems.append(str(exc))
         return
     report.checked_files += 1
+
+
+@log.command("repair")
+@click.option("--data-dir", required=True, type=click.Path(exists=True, file_okay=False), help="store directory")
+def repair_cmd(data_dir: str) -> None:
+    """Repair a store the server refused to open (run it with the server stopped): damaged regions of
+    the message log are copied to DATA_DIR/quarantine/ and covered by blank records of the same size,
+    a torn tail is cut (and kept there too), and the consume logs, key index and checkpoint are
+    rebuilt from the message log. Every valid record is kept. Prints what it did."""
+    path = _data_dir(data_dir)
+    config = DELAY_STORE_CONFIG if is_delay_store(path) else StoreConfig()
+    try:
+        store = LogStore(path, replace(config, repair=True, background=False))
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    with store:
+        report = store.recovery
+        for region in report.repaired:
+            click.echo(f"quarantined: {region}")
+        if report.truncated_bytes:
+            click.echo(f"torn tail cut: {report.truncated_bytes} bytes (kept in {path / 'quarantine'})")
+        click.echo(
+            f"rebuilt the consume logs, key index and checkpoint from the message log ({report.replayed} records, "
+            f"log {store.start_offset}..{store.end_offset}); {len(report.repaired)} damaged regions quarantined"
+        )
+    after = verify(path)
+    click.echo(f"verify after repair: {'OK' if after.ok else 'CORRUPT'}")
+    for problem in after.problems:
+        click.echo(f"BAD {problem}")
+    sys.exit(0 if after.ok else 1)
 
 
 @log.command("dump")

@@ -37,6 +37,7 @@ from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.rebuild import rebuild_consume_log, rebuild_index
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
+from qmq.store.recovery_point import RecoveryPoint
 
 log = logging.getLogger("qmq.store")
 
@@ -134,13 +135,18 @@ class LogStore:
         self._checkpointed = threading.Condition()
         self.checkpoint_offset = 0  # of the last checkpoint written
         self.index: KeyIndex | None = None
+        self._recovery_point = RecoveryPoint(self.data_dir)
         try:
             self.recovery = self._recover()
         except BaseException:
             self._close_files()
             raise
         self.flusher = Flusher(
-            self.message_log, self.config.flush, self.config.flush_interval_ms, self.config.commit_window_ms
+            self.message_log,
+            self.config.flush,
+            self.config.flush_interval_ms,
+            self.config.commit_window_ms,
+            on_synced=self._record_recovery_point,
         )
         self._stop = threading.Event()
         self._background: threading.Thread | None = None
@@ -149,6 +155,12 @@ class LogStore:
             self._background.start()
 
     # ---- opening ----------------------------------------------------------------------------
+
+    def _record_recovery_point(self, end: int) -> None:
+        try:
+            self._recovery_point.record(end)
+        except OSError as exc:  # the point only stays lower: recovery is stricter about nothing
+            log.warning("cannot record the durable recovery point: %s", exc)
 
     def _recover(self) -> RecoveryReport:
         """Check the log, then bring the derived logs up to its end (module recovery.py)."""
@@ -176,7 +188,8 @@ class LogStore:
             scan_from = min(checkpoint.offset, recent)
         report = RecoveryReport(scanned_from=scan_from)
         self._open_derived(checkpoint)
-        replay(self._validated(scan_from, checkpoint.offset, report), checkpoint.offset, self._derive, report)
+        floor = max(checkpoint.offset, self._durable_point())
+        replay(self._validated(scan_from, floor, report), checkpoint.offset, self._derive, report)
         if report.repaired and not rebuild:  # damaged records must leave holes, not stale entries
             checkpoint = ckpt.Checkpoint(offset=start, next_seq=self._sequences_on_disk(checkpoint))
             self._reset_derived()
@@ -196,6 +209,22 @@ class LogStore:
             len(report.repaired),
         )
         return report
+
+    def _durable_point(self) -> int:
+        """The recovery point recorded after the last fsync, within the log (recovery_point.py)."""
+        point = self._recovery_point.load()
+        end = self.message_log.end_offset
+        if point > end:
+            log.error(
+                "the message log ends at %d but offset %d was fsynced before: %d bytes that were durable are "
+                "missing (file truncated outside the store?)",
+                end,
+                point,
+                point - end,
+            )
+            point = end
+        self._recovery_point.last = point
+        return point
 
     def _sequences_on_disk(self, checkpoint: ckpt.Checkpoint | None) -> dict[str, int]:
         """A floor for each subject's next sequence when the derived logs are rebuilt, so a subject
@@ -321,6 +350,9 @@ class LogStore:
         turn read-only: for a while if the disk was full, else until reopened."""
         try:
             self.message_log.undo_append(end)
+            self.flusher.forget_after(end)
+            if self._recovery_point.last > end:
+                self._recovery_point.record(end)
             for subject, first in first_seqs.items():
                 self._consume_log(subject).truncate(first)
             self.index.restore(index_state)
@@ -766,6 +798,7 @@ class LogStore:
             self._close_files()
 
     def _close_files(self) -> None:
+        self._recovery_point.close()
         for consume_log in self._consume_logs.values():
             consume_log.close()
         if self.index is not None:
