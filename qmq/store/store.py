@@ -38,6 +38,7 @@ from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.rebuild import rebuild_consume_log, rebuild_index
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
 from qmq.store.recovery_point import RecoveryPoint
+from qmq.store.scrub import Scrub
 
 log = logging.getLogger("qmq.store")
 
@@ -69,6 +70,7 @@ class StoreConfig:
     retention_s: float = DEFAULT_RETENTION_S
     clean_interval_s: float = DEFAULT_CLEAN_INTERVAL_S
     verify_all_on_open: bool = False  # CRC-check every segment at open, not only the recent ones
+    scrub: bool = True  # CRC-check the rest in the background after open (scrub.py), if `background`
     repair: bool = False  # quarantine corrupt regions instead of refusing to open
     background: bool = True  # run the checkpoint and cleaner thread
 
@@ -127,6 +129,7 @@ class LogStore:
         self._out_of_space: str | None = None  # why, while the disk is full (cleared by a probe)
         self._out_of_space_since = 0.0
         self.unreadable: dict[tuple[str, int], str] = {}  # (subject, seq) -> where and why, found by reads
+        self.damaged: list[tuple[str, int, str]] = []  # (segment file, offset, reason) found by the scrub
         self._rebuilds = 0  # derived files rebuilt while open (metrics, tests)
         self._index_rebuilt_at = -1
         # Test hook (documented in docs/operating.md): called with what is about to be written; an
@@ -153,6 +156,10 @@ class LogStore:
         if self.config.background:
             self._background = threading.Thread(target=self._background_loop, name="qmq-store-bg", daemon=True)
             self._background.start()
+        self.scrub: Scrub | None = None
+        if self.config.background and self.config.scrub and self.recovery.scanned_from > self.start_offset:
+            self.scrub = Scrub(self.message_log, self.recovery.scanned_from, self._report_damage)
+            self.scrub.start()
 
     # ---- opening ----------------------------------------------------------------------------
 
@@ -614,6 +621,17 @@ class LogStore:
             out.append(record if record.subject == subject and record.seq == e.seq else None)
         return out
 
+    def _report_damage(self, path: str, offset: int, reason: str) -> None:
+        """A damaged region of the message log found by the scrub (or a reader)."""
+        with self._lock:
+            self.damaged.append((path, offset, reason))
+        log.error(
+            "damaged record in %s at offset %d: %s (readers skip it; `qmq log repair` quarantines it)",
+            path,
+            offset,
+            reason,
+        )
+
     def _report_unreadable(self, subject: str, seq: int, offset: int, reason: str) -> None:
         """A message that cannot be read from the message log: reported once (log with file and
         offset), kept in `unreadable` so readers move past it."""
@@ -789,6 +807,8 @@ class LogStore:
                 return
             self._closed = True
         self._stop.set()
+        if self.scrub is not None:
+            self.scrub.stop()
         if self._background is not None:
             self._background.join()
         self.flusher.close()
