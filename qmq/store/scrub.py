@@ -20,7 +20,7 @@ from qmq.store.message_log import MessageLog
 
 log = logging.getLogger("qmq.store")
 
-SCRUB_BYTES_PER_S = 64 * 1024 * 1024  # pacing: the scrub reads at most this much per second
+SCRUB_BYTES_PER_S = 8 * 1024 * 1024  # pacing: about half of what one core checks (bench/store_scrub.py)
 SCRUB_STEP_BYTES = 1024 * 1024  # checked between pauses
 
 Report = Callable[[str, int, str], None]  # (segment file, offset, reason)
