@@ -1,6 +1,7 @@
 """A damaged record in an old sealed segment (issue 19, case 4): the background scrub finds it and
 reports it (log with file and offset, BROKER_STATS `damaged_records`), and a group reading past it
-gets every other message instead of INTERNAL for ever."""
+gets every other message instead of INTERNAL for ever, and the lost one in its dead letters with the
+reason."""
 
 from __future__ import annotations
 
@@ -61,11 +62,20 @@ def test_a_damaged_old_record_is_reported_and_skipped(tmp_path, caplog) -> None:
                 acks = [[b["subject"], "g", "c", b["first_pull"] + len(b["messages"]) - 1] for b in reply["batches"]]
                 await service.handle(Request(1, RequestCode.BROKER_ACK, {"acks": acks}), PEER)
             stats = await service.handle(Request(2, RequestCode.BROKER_STATS, {}), PEER)
+            dead = await service.handle(
+                Request(3, RequestCode.BROKER_DEAD_LIST, {"subject": "orders", "group": "g"}), PEER
+            )
             await service.stop_background()
-            return ids, stats
+            return ids, stats, dead
 
     with caplog.at_level(logging.ERROR, logger="qmq.store"):
-        ids, stats = asyncio.run(run())
+        ids, stats, dead = asyncio.run(run())
+    [letter] = dead["messages"]
+    assert letter["id"] == "unreadable:orders:10"
+    assert (
+        "unreadable" in letter["reason"] and str(oldest) in letter["reason"] and f"offset {offset}" in letter["reason"]
+    )
+
     assert ids == sorted(set(written) - {victim})
     assert stats["damaged_records"] >= 1
     assert any(str(oldest) in r.getMessage() and f"offset {offset}" in r.getMessage() for r in caplog.records)
