@@ -51,7 +51,7 @@ class IndexFile:
         self.entries_at = HEADER_SIZE + self.slots * SLOT.size
         self.size = os.fstat(self.fd).st_size
         try:
-            reserve(self.fd, 0, self.entries_at)  # slots are written anywhere: all of them, now
+            reserve(self.fd, 0, min(self.entries_at, self.size))  # slots are written anywhere: all, now
         except OSError:
             self.close()
             raise
