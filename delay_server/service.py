@@ -187,9 +187,19 @@ class DelayService(Service):
                 batch.append(self._message(item, now))
             except ProtocolError as exc:
                 rejected.append([index, int(exc.code), exc.message])
+        stored = len(batch)
+        batch = [m for m in batch if not self._already_stored(m)]
         if batch:
             await self._append_and_file(batch)
-        return {"stored": len(batch), "rejected": rejected}
+        return {"stored": stored, "rejected": rejected}
+
+    def _already_stored(self, message: Message) -> bool:
+        """A message this server already holds (same id and subject): a producer sending again after
+        losing the reply, as when this server was killed between storing and answering. Storing it
+        again would schedule and deliver it twice; it is answered as stored instead. (A few reads
+        through the key index; a message whose record retention removed is stored again.)"""
+        record = self.store.find_by_id(message.message_id)
+        return record is not None and bool(record.flags & records.DELAYED) and record.subject == message.subject
 
     def _message(self, item: Any, now: int) -> Message:
         """The message to append, or a ProtocolError saying why not."""
@@ -251,6 +261,13 @@ class DelayService(Service):
         stats = self.scheduler.stats()
         stats["max_delay_ms"] = self.max_delay_ms
         stats["filed_upto"] = self.filed_upto
+        # the store's reason (disk full: until space is freed; I/O or fsync error: until restarted),
+        # or the schedule log's (until restarted, which files from the message log)
+        reason = self.store.read_only_reason or (
+            f"the schedule log could not be written: {self.failed}" if self.failed is not None else None
+        )
+        stats["read_only"] = reason is not None
+        stats["read_only_reason"] = reason
         return stats
 
     async def _lookup(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,13 +1,13 @@
-"""A store that fails to write (here a file-size limit, as a full disk would) refuses that append and
-every later one with a StoreError, records no checkpoint past what its derived logs hold, and, opened
-again, has every record it appended, derived and found."""
+"""A store that fails to write (here a file-size limit: EFBIG, not a full disk, so it does not come
+back by itself) takes the failed append back, refuses it and every later one with a StoreError, and,
+opened again, is consistent: the refused message is nowhere, the store verifies and takes writes."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from qmq.store.store import LogStore
+from qmq.store.store import LogStore, Message
 from qmq.store.verify import verify
 from tests.support.stores import SMALL
 
@@ -39,10 +39,11 @@ def test_a_failed_append_makes_the_store_read_only_and_reopening_derives_it(tmp_
         check=True,
     )
     lines = child.stdout.splitlines()
-    assert lines[0].startswith("REFUSED first append failed: [Errno 27] File too large"), child.stdout
-    assert lines[1].startswith("REFUSED second the store failed to write earlier"), child.stdout
+    assert lines[0].startswith("REFUSED first the store is read-only: append failed: [Errno 27] File too large")
+    assert lines[1].startswith("REFUSED second the store is read-only: append failed"), child.stdout
     with LogStore(data_dir, SMALL) as store:
-        record = store.find_by_id("first")  # in the message log before the index failed: derived again
-        assert record is not None and record.payload == b"x" * 100
-        assert [r.message_id for r in store.read("orders", 0).records] == ["first"]
+        assert store.find_by_id("first") is None  # refused, so taken back from the message log too
+        assert store.read("orders", 0).records == []
+        store.append_durable([Message("orders", "third", b"y")])
+        assert [r.message_id for r in store.read("orders", 0).records] == ["third"]
     assert verify(data_dir).ok

@@ -304,9 +304,14 @@ class Administration:
                     "out_rate": self.rates.rate(now, (stored, key), done),
                 }
             )
+        store_reason = self.core.store.read_only_reason
         return {
             "group": self.core.group_name,
-            "read_only": self.core.read_only,
+            "read_only": self.core.read_only or store_reason is not None,
+            # set by the meta server (sends go elsewhere) or by the store (disk full, I/O error)
+            "damaged_records": len(self.core.store.damaged) + len(self.core.store.unreadable),
+            "read_only_reason": store_reason
+            or (f"broker group {self.core.group_name} is read-only (meta server)" if self.core.read_only else None),
             "subjects": {s: {"stored": n} for s, n in subjects.items() if not s.startswith("%")},
             "in_rates": {s: self.rates.rate(now, s, n) for s, n in subjects.items() if not s.startswith("%")},
             "groups": groups,

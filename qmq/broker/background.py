@@ -60,6 +60,9 @@ class BackgroundWork:
                 saved_at = self.core.state.journal_seq
                 try:
                     await self.take_snapshot()
+                except OSError as exc:  # disk full or I/O error: the store turns read-only, logs it once
+                    self.core.store.write_failed(exc, "consumption snapshot")
+                    saved_at = -1  # try again at the next interval
                 except Exception:
                     log.exception("snapshot failed; the journal still has everything")
 

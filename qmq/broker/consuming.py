@@ -35,7 +35,7 @@ from qmq.protocol.limits import (
     validate_tags,
 )
 from qmq.store import record as rec
-from qmq.store.store import Message
+from qmq.store.store import Message, StoreError
 
 log = logging.getLogger("qmq.broker")
 
@@ -101,6 +101,7 @@ class PullRequest:
 class Consuming:
     def __init__(self, core: BrokerCore) -> None:
         self.core = core
+        self.dead_lettered: set[tuple[str, str, int]] = set()  # unreadable messages sent to dead letters
 
     # ---- pull -----------------------------------------------------------------------------------
 
@@ -128,7 +129,7 @@ class Consuming:
         try:
             self._take_into(entries, batches, pull)
         finally:
-            end = self.core.commit(entries) if entries else None
+            end = self.core.commit(entries, delivery=True) if entries else None
         return batches, end
 
     def _take_into(self, entries: list[Entry], batches: list[dict], pull: PullRequest) -> None:
@@ -156,6 +157,8 @@ class Consuming:
                 result = store.read(stored, cursor, count, tags=pull.tags, match_all=pull.match_all)
                 for record in result.records:
                     fresh[record.seq] = record
+                if store.unreadable:
+                    self._dead_letter_unreadable(stored, pull.subject, pull.key, cursor, result.next_seq)
                 return [r.seq for r in result.records], result.next_seq
 
             handed, action = group.pull(pull.consumer, pull.pulled.get(stored, -1), remaining, read, now)
@@ -173,6 +176,26 @@ class Consuming:
                     }
                 )
                 remaining -= len(handed.seqs)
+
+    def _dead_letter_unreadable(self, stored: str, subject: str, key: str, start: int, end: int) -> None:
+        """Messages of `stored` between `start` and `end` the store could not read (damaged in the
+        message log, store.py) go to the group's dead letters with the reason (file and offset), once
+        per group, so the group moves on and the loss is visible (`qmq admin dead list`). The dead
+        letter has the message's place but not its content (id `unreadable:<subject>:<seq>`)."""
+        store = self.core.store
+        for (unreadable_subject, seq), reason in list(store.unreadable.items()):
+            done_key = (stored, key, seq)
+            if unreadable_subject != stored or not start <= seq < end or done_key in self.dead_lettered:
+                continue
+            placeholder = rec.Record(
+                -1, 0, 0, 0, int(self.core.clock() * 1000), seq, stored, f"unreadable:{stored}:{seq}", None, (), b""
+            )
+            try:
+                store.append([wrap(placeholder, dead_subject(subject, key), 1, f"unreadable: {reason}")])
+            except StoreError:
+                return  # read-only now: the next read past it tries again
+            self.dead_lettered.add(done_key)
+            log.error("%s seq %d of group %r cannot be read: dead-lettered (%s)", stored, seq, key, reason)
 
     # ---- ack, nack, heartbeat ---------------------------------------------------------------------
 
@@ -210,7 +233,7 @@ class Consuming:
             if action is not None:
                 entries.append(GroupAction(stored, key, action))
         if entries:  # the acks before a bad one are applied: journal them too
-            end = self.core.commit(entries)
+            end = self.core.commit(entries, delivery=True)
             if error is not None:
                 raise error
             await self.core.store.durable(end)

@@ -55,8 +55,15 @@ class BrokerCore:
 
     # ---- the journal ----------------------------------------------------------------------------
 
-    def commit(self, entries: list[Entry]) -> int:
-        """Journal `entries`, already applied; the log offset whose durability covers them."""
+    def commit(self, entries: list[Entry], *, delivery: bool = False) -> int:
+        """Journal `entries`, already applied; the log offset whose durability covers them.
+
+        `delivery`: the entries only record pulls and acks. While the store is out of space they are
+        kept in memory alone (the next snapshot saves them once space is back), so consumers keep
+        reading from a full disk; a crash meanwhile redelivers what they record, which at-least-once
+        delivery allows. Any other change fails while the store is read-only."""
+        if delivery and self.store.out_of_space:
+            return 0
         appended = self.store.append([Message(ACTION_SUBJECT, f"%a{self.state.journal_seq}", journal.encode(entries))])
         self.state.journal_seq = appended[0].seq + 1
         return appended[0].end

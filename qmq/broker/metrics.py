@@ -44,6 +44,11 @@ SUBJECT_MESSAGES = Gauge(
     registry=REGISTRY,
 )
 READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only", registry=REGISTRY)
+DAMAGED = Gauge(
+    "qmq_broker_damaged_records",
+    "Damaged message-log records found since start (background scrub and reads); readers skip them",
+    registry=REGISTRY,
+)
 
 
 class StoredCounter:
@@ -66,6 +71,7 @@ REGISTRY.register(STORED)
 def update(stats: dict[str, Any]) -> None:
     """Set the gauges from the broker's stats (`Administration.stats`)."""
     READ_ONLY.set(1 if stats["read_only"] else 0)
+    DAMAGED.set(stats.get("damaged_records", 0))
     for subject, info in stats["subjects"].items():
         SUBJECT_MESSAGES.labels(subject).set(info["stored"])
     for g in stats["groups"]:

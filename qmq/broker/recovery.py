@@ -19,8 +19,20 @@ REPLAY_BATCH = 256  # journal records read per step
 
 
 def recover(store: LogStore, state_dir: Path, now: float) -> BrokerState:
-    saved = snapshot.load(state_dir)
+    try:
+        saved = snapshot.load(state_dir)
+    except snapshot.SnapshotError as exc:  # derived data: never trusted over the journal
+        log.warning("%s: discarding the snapshot, replaying the journal from its start", exc)
+        saved = None
     state = BrokerState.from_snapshot(saved, now) if saved else BrokerState()
+    if state.journal_seq > store.next_seq(ACTION_SUBJECT):
+        log.warning(
+            "the snapshot covers the journal up to sequence %d but the journal holds %d entries: discarding "
+            "the snapshot, replaying the journal from its start",
+            state.journal_seq,
+            store.next_seq(ACTION_SUBJECT),
+        )
+        state = BrokerState()
     first = store.first_seq(ACTION_SUBJECT)
     if state.journal_seq < first:
         log.error(

@@ -13,6 +13,7 @@ from qmq.cli.net_options import server_net_options
 from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
 from qmq.cli.time_options import DURATION
 from qmq.net.common import TOKEN_ENV
+from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS
 from qmq.store.followers import MAX_LAG_S
 from qmq.store.store import StoreError
 
@@ -47,7 +48,7 @@ ADVERTISE_EXTERNAL = click.option(
     type=click.Choice(["sync", "async"]),
     default="sync",
     show_default=True,
-    help="sync: reply after fsync (group commit); async: fsync every 500 ms",
+    help=f"sync: reply after fsync (group commit); async: fsync every {DEFAULT_ASYNC_INTERVAL_MS} ms",
 )
 @token_option(CLIENTS_TOKEN_HELP)
 @metrics_port_option()

@@ -1,24 +1,26 @@
-"""`qmq log verify` and `qmq log dump` look inside a broker's or delay server's store, read-only;
-`qmq log repair` is what a store that refuses to open asks for."""
+"""`qmq log verify` and `qmq log dump`: look inside a broker's or delay server's store, read-only."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from delay_server import records as delay_records
+from delay_server.server import STORE_CONFIG as DELAY_STORE_CONFIG
 from delay_server.verify import delayed_to_json, is_delay_store, iter_scheduled, verify_delay_files
-from qmq.store.recovery import CorruptStoreError
+from qmq.broker import snapshot
+from qmq.broker.service import STATE_DIR
 from qmq.store.store import LogStore, StoreConfig, StoreError
-from qmq.store.verify import iter_records, record_to_json, verify
+from qmq.store.verify import VerifyReport, iter_records, record_to_json, verify
 
 
 @click.group()
 def log() -> None:
-    """Inspect a store directory (verify and dump: read-only, safe on a live store) or repair it."""
+    """Inspect a store directory (read-only, safe on a live store)."""
 
 
 def _data_dir(path: str) -> Path:
@@ -31,9 +33,11 @@ def _data_dir(path: str) -> Path:
 @log.command("verify")
 @click.option("--data-dir", required=True, type=click.Path(exists=True, file_okay=False), help="store directory")
 def verify_cmd(data_dir: str) -> None:
-    """CRC-check every record and every consume-log entry (and a delay server's schedule log,
-    dispatch logs and cancels); exit 1 naming file and offset of each bad one."""
+    """CRC-check every record, consume-log entry, the checkpoint and the consumption snapshot (and a
+    delay server's schedule log, dispatch logs and cancels); exit 1 naming file and offset of each bad
+    one."""
     report = verify(_data_dir(data_dir))
+    _verify_snapshot(Path(data_dir), report)
     delay = verify_delay_files(Path(data_dir), report) if is_delay_store(Path(data_dir)) else None
     for note in report.notes:
         click.echo(f"note: {note}")
@@ -41,7 +45,7 @@ def verify_cmd(data_dir: str) -> None:
         click.echo(f"BAD {problem}")
     click.echo(
         f"{report.segments} segments, {report.records} records, {report.blank_records} blank, "
-        f"{report.consume_entries} consume-log entries"
+        f"{report.consume_entries} consume-log entries, {report.checked_files} checkpoints and snapshots"
         + (
             f", {delay.buckets} buckets, {delay.scheduled} scheduled, {delay.dispatched} dispatched, "
             f"{delay.cancels} cancels"
@@ -51,6 +55,49 @@ def verify_cmd(data_dir: str) -> None:
         + f": {'OK' if report.ok else 'CORRUPT'}"
     )
     sys.exit(0 if report.ok else 1)
+
+
+def _verify_snapshot(data_dir: Path, report: VerifyReport) -> None:
+    """A broker's consumption snapshot: its CRC (a broker discards a bad one and replays its journal)."""
+    directory = data_dir / STATE_DIR
+    if not (directory / snapshot.FILE_NAME).exists():
+        return
+    try:
+        snapshot.load(directory)
+    except snapshot.SnapshotError as exc:
+        report.problems.append(str(exc))
+        return
+    report.checked_files += 1
+
+
+@log.command("repair")
+@click.option("--data-dir", required=True, type=click.Path(exists=True, file_okay=False), help="store directory")
+def repair_cmd(data_dir: str) -> None:
+    """Repair a store the server refused to open (run it with the server stopped): damaged regions of
+    the message log are copied to DATA_DIR/quarantine/ and covered by blank records of the same size,
+    a torn tail is cut (and kept there too), and the consume logs, key index and checkpoint are
+    rebuilt from the message log. Every valid record is kept. Prints what it did."""
+    path = _data_dir(data_dir)
+    config = DELAY_STORE_CONFIG if is_delay_store(path) else StoreConfig()
+    try:
+        store = LogStore(path, replace(config, repair=True, background=False))
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    with store:
+        report = store.recovery
+        for region in report.repaired:
+            click.echo(f"quarantined: {region}")
+        if report.truncated_bytes:
+            click.echo(f"torn tail cut: {report.truncated_bytes} bytes (kept in {path / 'quarantine'})")
+        click.echo(
+            f"rebuilt the consume logs, key index and checkpoint from the message log ({report.replayed} records, "
+            f"log {store.start_offset}..{store.end_offset}); {len(report.repaired)} damaged regions quarantined"
+        )
+    after = verify(path)
+    click.echo(f"verify after repair: {'OK' if after.ok else 'CORRUPT'}")
+    for problem in after.problems:
+        click.echo(f"BAD {problem}")
+    sys.exit(0 if after.ok else 1)
 
 
 @log.command("dump")
@@ -74,27 +121,3 @@ def dump_cmd(data_dir: str, subject: str | None, schedule: bool) -> None:
             if bucket is not None:
                 item["bucket"] = bucket
             out.write(json.dumps(item) + "\n")
-
-
-@log.command("repair")
-@click.option("--data-dir", required=True, type=click.Path(exists=True, file_okay=False), help="store directory")
-def repair_cmd(data_dir: str) -> None:
-    """Open a stopped store with repair: damaged regions of the message log are moved to
-    DATA_DIR/quarantine/ (blanked in place, so offsets stay), a torn tail is cut, and the derived
-    files (consume logs, key index, checkpoint) are rebuilt from the message log. Every valid record
-    is kept. Prints what was done; then `qmq log verify` should say OK."""
-    path = _data_dir(data_dir)
-    try:
-        with LogStore(path, StoreConfig(repair=True, background=False)) as store:
-            report = store.recovery
-            start, end = store.start_offset, store.end_offset
-    except (StoreError, CorruptStoreError, OSError) as exc:
-        raise click.ClickException(f"cannot repair {data_dir}: {exc}") from None
-    for note in report.repaired:
-        click.echo(f"quarantined: {note}")
-    if report.truncated_bytes:
-        click.echo(f"torn tail cut: {report.truncated_bytes} bytes (kept in {path / 'quarantine'})")
-    click.echo(
-        f"message log {start}..{end}: {len(report.repaired)} damaged regions quarantined, "
-        f"{report.truncated_bytes} torn bytes cut; consume logs, index and checkpoint rebuilt"
-    )

@@ -179,6 +179,8 @@ def _check_route(client: Any, subject: str, *, delayed: bool = False) -> None:
         validate_subject(subject)
     except ProtocolError as exc:
         raise click.UsageError(exc.message) from None
+    if delayed and client.delay_servers:
+        return  # given directly: the meta server is not asked (nor needed)
     try:
         route = client.route(subject)
     except ClientError as exc:

@@ -250,12 +250,15 @@ class RouteBook:
         self.delay_servers = tuple(delay_servers)
         self.cache = RouteCache()
 
-    def lookup(self, subject: str, *, refresh: bool = False) -> Steps[Route]:
+    def lookup(self, subject: str, *, refresh: bool = False, delayed_only: bool = False) -> Steps[Route]:
         """The broker groups of `subject`, from the cache while it is fresh (`refresh` asks anyway).
         While the meta server cannot answer, the route fetched before is used for META_RETRY_S before
-        asking again; raises `MetaUnreachable` when there is none."""
+        asking again; raises `MetaUnreachable` when there is none. `delayed_only` (only delayed
+        messages to send) with delay servers given directly needs no meta server at all."""
         if self.meta is None:
             return static_route(subject, self.brokers, self.delay_servers)
+        if delayed_only and self.delay_servers:
+            return static_route(subject, (), self.delay_servers)
         now = time.monotonic()
         if not refresh and (route := self.cache.fresh(subject, now)) is not None:
             return route

@@ -169,6 +169,10 @@ class SendJob:
         wire = self.wires[i]
         return wire["subject"] if wire is not None else self.messages[i].subject
 
+    def only_delayed(self, subject: str) -> bool:
+        """Every pending message of `subject` goes to a delay server."""
+        return all(self.delayed[i] for i in self._pending() if self.messages[i].subject == subject)
+
     def fail_subject(self, subject: str, code: int, text: str) -> None:
         """Give up on every pending message of `subject` (its route cannot be had)."""
         for i in self._pending():
@@ -306,7 +310,9 @@ def send(
         routes_now: dict[str, Route] = {}
         for subject in job.pending_subjects():
             try:
-                routes_now[subject] = yield from routes.lookup(subject, refresh=subject in refresh)
+                routes_now[subject] = yield from routes.lookup(
+                    subject, refresh=subject in refresh, delayed_only=job.only_delayed(subject)
+                )
             except MetaUnreachable as exc:
                 job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc))
         with health.lock:

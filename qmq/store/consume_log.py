@@ -22,6 +22,10 @@ ENTRY_MAGIC = 0xC10C
 DEFAULT_ENTRIES_PER_SEGMENT = 1 << 20  # 32 MiB per segment
 
 
+class DamagedEntry(ValueError):
+    """An entry that is neither a valid entry nor a hole (all zeros): the file must be rebuilt."""
+
+
 class Entry(NamedTuple):
     seq: int
     offset: int  # of the record in the message log
@@ -78,7 +82,8 @@ class ConsumeLog:
 
     def read(self, seq: int, count: int) -> list[Entry | None]:
         """Up to `count` entries from `seq` within one segment; None marks a hole (never written, or cut
-        by repair). Fewer entries come back at a segment or file end."""
+        by repair: all zeros). Fewer entries come back at a segment or file end. `DamagedEntry` for
+        anything else (the store rebuilds the file from the message log)."""
         per = self.entries_per_segment
         base = seq - seq % per
         fd = self._fds.get(base)
@@ -89,7 +94,12 @@ class ConsumeLog:
         data = data[: len(data) - len(data) % ENTRY_SIZE]
         out: list[Entry | None] = []
         for i, (magic, _attr, _r, size, offset, mask, ts) in enumerate(ENTRY.iter_unpack(data)):
-            out.append(Entry(seq + i, offset, size, mask, ts) if magic == ENTRY_MAGIC else None)
+            if magic == ENTRY_MAGIC:
+                out.append(Entry(seq + i, offset, size, mask, ts))
+            elif magic == 0 and not any(data[i * ENTRY_SIZE : (i + 1) * ENTRY_SIZE]):
+                out.append(None)
+            else:
+                raise DamagedEntry(f"{self.directory / segment_name(base)}: entry for seq {seq + i} is damaged")
         return out
 
     def end_seq(self) -> int:

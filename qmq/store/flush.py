@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from enum import StrEnum
 
 from qmq.store.message_log import MessageLog
@@ -50,8 +51,12 @@ class Flusher:
         mode: FlushMode = FlushMode.SYNC,
         interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS,
         commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS,
+        on_synced: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_synced(end)` runs on the flusher thread after each successful fsync (the store records
+        its durable recovery point there, recovery_point.py)."""
         self.message_log = message_log
+        self.on_synced = on_synced
         self.mode = FlushMode(mode)
         self.interval_s = interval_ms / 1000
         self.commit_window_s = commit_window_ms / 1000
@@ -121,6 +126,8 @@ class Flusher:
             try:
                 end = self.message_log.sync()
                 error = None
+                if self.on_synced is not None:
+                    self.on_synced(end)
             except OSError as exc:
                 log.critical("fsync of the message log failed, the store stops accepting writes: %s", exc)
                 error = exc
@@ -128,8 +135,8 @@ class Flusher:
             with self._cond:
                 self._syncing = False
                 self.syncs += 1
-                if error is None:
-                    self.durable_offset = max(self.durable_offset, end)
+                if error is None:  # a failed append taken back meanwhile (store.py) lowered the end
+                    self.durable_offset = max(self.durable_offset, min(end, self.message_log.end_offset))
                 else:
                     self.error = error
                 self._cond.notify_all()
@@ -142,6 +149,12 @@ class Flusher:
                     waiters.wake(self.durable_offset, self.error)
             if stopping or error is not None:
                 return
+
+    def forget_after(self, end: int) -> None:
+        """The log was cut back to `end` (a failed append taken back): nothing past it is durable."""
+        with self._cond:
+            self.durable_offset = min(self.durable_offset, end)
+            self._requested = min(self._requested, end)
 
     def check(self) -> None:
         """Raise if the store can no longer make writes durable."""

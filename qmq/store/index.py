@@ -5,6 +5,10 @@ each holding the newest entry of its bucket, and entries chained to the previous
 A look-up reads one slot and walks one chain per index file; the caller confirms each candidate
 against the record itself, so hash collisions cost a read, never a wrong answer. Files roll when full
 and are named by the first message-log offset they index. Derived from the message log.
+
+The file is sparse and written through mmap, so every page is allocated (`disk_space.reserve`)
+before it is written: the header and slots when the file is opened, entries `RESERVE_AHEAD_BYTES` at a
+time. A full disk is then an ENOSPC from `add`, never a SIGBUS.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import struct
 from pathlib import Path
 
+from qmq.store.disk_space import reserve
 from qmq.store.files import TMP_SUFFIX, replace_durably, tmp_path
 from qmq.store.segment import list_segments, segment_name
 
@@ -25,6 +30,7 @@ ENTRY = struct.Struct(">QQI")  # hash, message-log offset, previous entry number
 DEFAULT_SLOTS = 1 << 22  # 16 MiB of slots
 DEFAULT_CAPACITY = 1 << 24  # 320 MiB of entries, allocated sparsely
 MAX_CHAIN = 1 << 16  # a chain longer than this is corruption, not load
+RESERVE_AHEAD_BYTES = 1 << 20  # entry space allocated at a time, before the mmap writes into it
 
 
 class IndexFile:
@@ -43,6 +49,22 @@ class IndexFile:
             )
         _magic, self.slots, self.capacity, self.count, self.last_offset = HEADER.unpack_from(self.mm, 0)
         self.entries_at = HEADER_SIZE + self.slots * SLOT.size
+        self.size = os.fstat(self.fd).st_size
+        try:
+            reserve(self.fd, 0, min(self.entries_at, self.size))  # slots are written anywhere: all, now
+        except OSError:
+            self.close()
+            raise
+        self.reserved_to = self.entries_at + self.count * ENTRY.size  # allocated up to here (at least)
+
+    def _reserve_entries(self, count: int) -> None:
+        """Allocate the file up to entry `count` (exclusive) and some way beyond it."""
+        needed = self.entries_at + count * ENTRY.size
+        if needed <= self.reserved_to:
+            return
+        end = min(self.size, max(needed, self.reserved_to + RESERVE_AHEAD_BYTES))
+        reserve(self.fd, self.reserved_to, end - self.reserved_to)
+        self.reserved_to = end
 
     @property
     def full(self) -> bool:
@@ -54,6 +76,7 @@ class IndexFile:
         n = self.count
         room = self.capacity - n
         taken = pairs[start : start + room]
+        self._reserve_entries(n + len(taken))
         for h, offset in taken:
             slot_at = HEADER_SIZE + ((h >> 32) % slots) * SLOT.size
             prev = SLOT.unpack_from(mm, slot_at)[0]

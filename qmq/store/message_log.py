@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from itertools import accumulate
@@ -67,6 +68,24 @@ class MessageLog:
             offsets.append(active.end)
             active.append(data)
         return offsets
+
+    def undo_append(self, end: int) -> None:
+        """Forget every byte at or after `end` (the end before a failed `append`): segments rolled
+        since are deleted, the active one cut back. Cutting needs no free space."""
+        while len(self.segments) > 1 and self.active.base >= end and self.active.base > self.segments[0].base:
+            with self._lock:
+                segment = self.segments.pop()
+                self._bases.pop()
+                if segment in self._unsynced:
+                    self._unsynced.remove(segment)
+            segment.close()
+            segment.path.unlink(missing_ok=True)
+        with self._lock:
+            if self.active in self._unsynced:
+                self._unsynced.remove(self.active)
+        active = self.active
+        os.ftruncate(active.fd, end - active.base)
+        active.size = end - active.base
 
     def _roll(self) -> Segment:
         sealed = self.active

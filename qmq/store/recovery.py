@@ -32,9 +32,9 @@ class CorruptStoreError(Exception):
         super().__init__(
             "the message log is corrupt:\n  "
             + "\n  ".join(problems)
-            + "\nno record was changed; with the server stopped, `qmq log repair --data-dir DIR` moves the "
-            "damaged regions to DIR/quarantine/ and rebuilds the derived files, keeping every valid record "
-            "(LogStore(..., StoreConfig(repair=True)) from Python)"
+            + "\nno record was changed; with the server stopped, run `qmq log repair --data-dir DIR` to "
+            "quarantine the damaged regions (into DIR/quarantine/) and rebuild the derived files, keeping "
+            "every valid record"
         )
         self.problems = problems
 
@@ -51,8 +51,9 @@ def scan_for_recovery(
     message_log: MessageLog, start: int, durable_floor: int, *, repair: bool, quarantine: Path, report: RecoveryReport
 ) -> Iterator[rec.Record]:
     """Valid records from `start` to the end, after fixing what can be fixed (see module docstring).
-    Records before `durable_floor` (the checkpoint) were durable and valid once, so damage there is
-    never taken for a torn tail. Raises `CorruptStoreError` on corruption when not repairing."""
+    Records before `durable_floor` (the checkpoint, or the recovery point if later: recovery_point.py)
+    were durable and valid once, so damage there is never taken for a torn tail. Raises
+    `CorruptStoreError` on corruption when not repairing."""
     problems: list[str] = []
     segments = message_log.segments
     for i, segment in enumerate(segments):

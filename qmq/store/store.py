@@ -28,13 +28,18 @@ from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subject, validate_tags
 from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
-from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, Entry, pack_entry
+from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, DamagedEntry, Entry, pack_entry
+from qmq.store.cross_check import checkpoint_problem
+from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
 from qmq.store.files import fsync_dir, read_json, write_json
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
+from qmq.store.rebuild import rebuild_consume_log, rebuild_index
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
+from qmq.store.recovery_point import RecoveryPoint
 from qmq.store.replication import first_record_size, split_chunk, whole_prefix
+from qmq.store.scrub import Scrub
 
 log = logging.getLogger("qmq.store")
 
@@ -66,6 +71,7 @@ class StoreConfig:
     retention_s: float = DEFAULT_RETENTION_S
     clean_interval_s: float = DEFAULT_CLEAN_INTERVAL_S
     verify_all_on_open: bool = False  # CRC-check every segment at open, not only the recent ones
+    scrub: bool = True  # CRC-check the rest in the background after open (scrub.py), if `background`
     repair: bool = False  # quarantine corrupt regions instead of refusing to open
     background: bool = True  # run the checkpoint and cleaner thread
 
@@ -119,26 +125,51 @@ class LogStore:
         self._next_seq: dict[str, int] = {}
         self._subject_bytes: dict[str, bytes] = {}
         self._consume_logs: dict[str, ConsumeLog] = {}
-        self._failed: BaseException | None = None
+        self._failed: BaseException | None = None  # a write failure that only a reopen clears
+        self._failed_reason: str | None = None
+        self._out_of_space: str | None = None  # why, while the disk is full (cleared by a probe)
+        self._out_of_space_since = 0.0
+        self.unreadable: dict[tuple[str, int], str] = {}  # (subject, seq) -> where and why, found by reads
+        self.damaged: list[tuple[str, int, str]] = []  # (segment file, offset, reason) found by the scrub
+        self._rebuilds = 0  # derived files rebuilt while open (metrics, tests)
+        self._index_rebuilt_at = -1
+        # Test hook (documented in docs/operating.md): called with what is about to be written; an
+        # OSError it raises is handled exactly as the write's own would be.
+        self.write_hook: Callable[[str], None] | None = None
         self._checkpointed = threading.Condition()
         self.checkpoint_offset = 0  # of the last checkpoint written
         self.index: KeyIndex | None = None
         self.append_listeners: list[Callable[[int], None]] = []  # called with the new end after appends
+        self._recovery_point = RecoveryPoint(self.data_dir)
         try:
             self.recovery = self._recover()
         except BaseException:
             self._close_files()
             raise
         self.flusher = Flusher(
-            self.message_log, self.config.flush, self.config.flush_interval_ms, self.config.commit_window_ms
+            self.message_log,
+            self.config.flush,
+            self.config.flush_interval_ms,
+            self.config.commit_window_ms,
+            on_synced=self._record_recovery_point,
         )
         self._stop = threading.Event()
         self._background: threading.Thread | None = None
         if self.config.background:
             self._background = threading.Thread(target=self._background_loop, name="qmq-store-bg", daemon=True)
             self._background.start()
+        self.scrub: Scrub | None = None
+        if self.config.background and self.config.scrub and self.recovery.scanned_from > self.start_offset:
+            self.scrub = Scrub(self.message_log, self.recovery.scanned_from, self._report_damage)
+            self.scrub.start()
 
     # ---- opening ----------------------------------------------------------------------------
+
+    def _record_recovery_point(self, end: int) -> None:
+        try:
+            self._recovery_point.record(end)
+        except OSError as exc:  # the point only stays lower: recovery is stricter about nothing
+            log.warning("cannot record the durable recovery point: %s", exc)
 
     def _recover(self) -> RecoveryReport:
         """Check the log, then bring the derived logs up to its end (module recovery.py)."""
@@ -148,17 +179,13 @@ class LogStore:
         except ckpt.CheckpointError as exc:
             log.warning("%s: rebuilding the derived logs from the message log", exc)
             checkpoint = None
-        if checkpoint is not None and not start <= checkpoint.offset <= self.message_log.end_offset:
-            log.warning(
-                "checkpoint offset %d is outside the message log %d..%d: rebuilding derived logs",
-                checkpoint.offset,
-                start,
-                self.message_log.end_offset,
+        if checkpoint is not None:
+            problem = checkpoint_problem(
+                checkpoint, self.message_log, self._consume_dir, self.config.consume_segment_entries
             )
-            checkpoint = None
-        if checkpoint is not None and (reason := self._checkpoint_disagrees(checkpoint)):
-            log.warning("checkpoint does not match the consume logs (%s): rebuilding derived logs", reason)
-            checkpoint = None
+            if problem is not None:
+                log.warning("%s: discarding the checkpoint, rebuilding the derived logs from the message log", problem)
+                checkpoint = None
         rebuild = self.config.repair or (checkpoint is None and self.message_log.end_offset > start)
         if rebuild:
             checkpoint = ckpt.Checkpoint(offset=start, next_seq=self._sequences_on_disk(checkpoint))
@@ -170,7 +197,8 @@ class LogStore:
             scan_from = min(checkpoint.offset, recent)
         report = RecoveryReport(scanned_from=scan_from)
         self._open_derived(checkpoint)
-        replay(self._validated(scan_from, checkpoint.offset, report), checkpoint.offset, self._derive, report)
+        floor = max(checkpoint.offset, self._durable_point())
+        replay(self._validated(scan_from, floor, report), checkpoint.offset, self._derive, report)
         if report.repaired and not rebuild:  # damaged records must leave holes, not stale entries
             checkpoint = ckpt.Checkpoint(offset=start, next_seq=self._sequences_on_disk(checkpoint))
             self._reset_derived()
@@ -191,25 +219,21 @@ class LogStore:
         )
         return report
 
-    def _checkpoint_disagrees(self, checkpoint: ckpt.Checkpoint) -> str | None:
-        """Why `checkpoint` cannot be true of the consume logs on disk, or None. Every entry before a
-        subject's `next_seq` was derived from a record before the checkpoint's offset, and none from
-        `next_seq` on was (those come from records replayed after it)."""
-        if not self._consume_dir.exists():
-            return None
-        for subject_dir in self._consume_dir.iterdir():
-            subject, next_seq = subject_dir.name, checkpoint.next_seq.get(subject_dir.name, 0)
-            consume_log = ConsumeLog(subject_dir, self.config.consume_segment_entries)
-            try:
-                last = consume_log.read(next_seq - 1, 1) if next_seq > consume_log.first_seq else []
-                after = consume_log.read(next_seq, 1)
-            finally:
-                consume_log.close()
-            if last and last[0] is not None and last[0].offset >= checkpoint.offset:
-                return f"{subject}: entry {next_seq - 1} points past the checkpoint's offset {checkpoint.offset}"
-            if after and after[0] is not None and after[0].offset < checkpoint.offset:
-                return f"{subject}: next_seq {next_seq}, but entry {next_seq} is older than offset {checkpoint.offset}"
-        return None
+    def _durable_point(self) -> int:
+        """The recovery point recorded after the last fsync, within the log (recovery_point.py)."""
+        point = self._recovery_point.load()
+        end = self.message_log.end_offset
+        if point > end:
+            log.error(
+                "the message log ends at %d but offset %d was fsynced before: %d bytes that were durable are "
+                "missing (file truncated outside the store?)",
+                end,
+                point,
+                point - end,
+            )
+            point = end
+        self._recovery_point.last = point
+        return point
 
     def _sequences_on_disk(self, checkpoint: ckpt.Checkpoint | None) -> dict[str, int]:
         """A floor for each subject's next sequence when the derived logs are rebuilt, so a subject
@@ -315,19 +339,19 @@ class LogStore:
                 if isinstance(exc, StoreError | ProtocolError):
                     raise
                 raise StoreError(f"bad message in batch: {exc}") from exc
+            start_end, index_state = self.message_log.end_offset, self.index.state()
             try:
+                if self.write_hook is not None:
+                    self.write_hook("append")
                 self.message_log.append(encoded)  # offsets are continuous across segments: as computed
                 for subject, (first, entries) in runs.items():
                     self._consume_log(subject).write(first, b"".join(entries))
                 self.index.add(index_pairs)
             except OSError as exc:  # disk full, I/O error: a partial record may be on disk
-                self._failed = exc
-                log.critical(
-                    "append failed, the store is read-only until reopened (which cuts a partial record and "
-                    "derives the consume logs and index again from the message log): %s",
-                    exc,
-                )
-                raise StoreError(f"append failed: {exc}") from exc
+                first_seqs = {subject: run[0] for subject, run in runs.items()}
+                _rewind(next_seq, first_seqs)
+                self._undo_append(start_end, index_state, first_seqs, exc)
+                raise StoreError(f"the store is read-only: {self.read_only_reason}") from exc
             end = position
         for listener in self.append_listeners:
             listener(end)
@@ -349,20 +373,88 @@ class LogStore:
                 self.message_log.append(pieces)
                 self._derive(records)
             except OSError as exc:
-                self._failed = exc
-                log.critical("replicated append failed, the store is read-only until reopened: %s", exc)
-                raise StoreError(f"append failed: {exc}") from exc
+                self._fail(exc, "replicated append")  # the replica refetches from its durable point after a reopen
+                raise StoreError(f"the store is read-only: {self.read_only_reason}") from exc
             end = self.message_log.end_offset
         for listener in self.append_listeners:
             listener(end)
         return end
 
+    def _undo_append(self, end: int, index_state: dict, first_seqs: dict[str, int], exc: OSError) -> None:
+        """Take back a failed append (the log, consume logs and index as they were before it), then
+        turn read-only: for a while if the disk was full, else until reopened."""
+        try:
+            self.message_log.undo_append(end)
+            self.flusher.forget_after(end)
+            if self._recovery_point.last > end:
+                self._recovery_point.record(end)
+            for subject, first in first_seqs.items():
+                self._consume_log(subject).truncate(first)
+            self.index.restore(index_state)
+        except OSError as undo_exc:
+            self._fail(undo_exc, f"undoing a failed append ({exc}) failed too")
+            return
+        self.write_failed(exc, "append")
+
+    def write_failed(self, exc: BaseException, what: str) -> None:
+        """A write of the store (or of a server beside it: snapshot, journal) failed with `exc`: out of
+        space turns the store read-only until a probe finds space again; anything else until it is
+        reopened (disk_space.py)."""
+        if is_out_of_space(exc):
+            with self._lock:
+                if self._out_of_space is None and self._failed is None:
+                    self._out_of_space = f"{what} failed: {exc}"
+                    self._out_of_space_since = time.monotonic()
+                    log.error(
+                        "the store is read-only until space is freed (probing every %ss): %s failed: %s",
+                        PROBE_INTERVAL_S,
+                        what,
+                        exc,
+                    )
+        else:
+            self._fail(exc, f"{what} failed")
+
+    def _fail(self, exc: BaseException, what: str) -> None:
+        with self._lock:
+            if self._failed is None:
+                self._failed = exc
+                self._failed_reason = f"{what}: {exc}"
+                log.critical(
+                    "the store is read-only until reopened (which checks the log from its durable point and "
+                    "derives the consume logs and index again): %s",
+                    self._failed_reason,
+                )
+
+    @property
+    def out_of_space(self) -> bool:
+        """Read-only only because the disk is full (reads and in-memory work go on)."""
+        return self._out_of_space is not None and self._failed is None and self.flusher.error is None
+
+    @property
+    def read_only_reason(self) -> str | None:
+        """Why the store takes no writes now, or None if it does."""
+        if self._failed is not None:
+            return self._failed_reason
+        if self.flusher.error is not None:
+            return f"an fsync failed, nothing more is acknowledged until the store is reopened: {self.flusher.error}"
+        return self._out_of_space
+
+    def probe_space(self) -> bool:
+        """While out of space: if space can be reserved again, take writes again. True if writable."""
+        if self._out_of_space is None:
+            return self.read_only_reason is None
+        if space_available(self.data_dir):
+            with self._lock:
+                self._out_of_space = None
+            log.warning("space is available again: the store takes writes again")
+        return self.read_only_reason is None
+
     def _check_writable(self) -> None:
         if self._closed:
             raise StoreError("the store is closed")
-        if self._failed is not None:
-            raise StoreError(f"the store failed to write earlier and is read-only until reopened: {self._failed}")
-        self.flusher.check()
+        reason = self.read_only_reason
+        if reason is not None:
+            raise StoreError(f"the store is read-only: {reason}")
 
     def _new_subject(self, subject: str) -> bytes:
         validate_subject(subject, allow_system=True)
@@ -475,7 +567,22 @@ class LogStore:
             end = self._next_seq.get(subject, 0)
             if consume_log is None or seq >= end:
                 return []
-            return consume_log.read(seq, min(count, end - seq))
+            try:
+                return consume_log.read(seq, min(count, end - seq))
+            except DamagedEntry as exc:
+                self._rebuild_consume_log(subject, str(exc))
+                return self._consume_logs[subject].read(seq, min(count, end - seq))
+
+    def _rebuild_consume_log(self, subject: str, problem: str) -> None:
+        with self._lock:
+            log.warning("%s: rebuilding the consume log of %r from the message log", problem, subject)
+            old = self._consume_logs.pop(subject, None)
+            if old is not None:
+                old.close()
+            self._consume_logs[subject] = rebuild_consume_log(
+                self.message_log, self._consume_dir / subject, subject, self.config.consume_segment_entries
+            )
+            self._rebuilds += 1
 
     def read(
         self,
@@ -509,19 +616,73 @@ class LogStore:
                 wanted_entries.append(entry)
                 if len(wanted_entries) >= max_count - len(records):
                     break
-            spans = [(e.offset, e.size) for e in wanted_entries]
-            for entry, record in zip(wanted_entries, self.message_log.read_records(spans), strict=True):
-                if record.is_blank:
+            for record in self._read_entries(subject, wanted_entries):
+                if record is None or record.is_blank:
                     continue
-                if record.subject != subject or record.seq != entry.seq:
-                    raise rec.RecordError(
-                        entry.offset,
-                        f"consume log of {subject!r} seq {entry.seq} points at {record.subject!r} seq {record.seq}",
-                    )
                 if tags and not _tags_match(record.tags, tags, match_all):
                     continue
                 records.append(record)
         return ReadResult(records, seq)
+
+    def _read_entries(self, subject: str, entries: list[Entry]) -> list[rec.Record | None]:
+        """The records `entries` of `subject`'s consume log point at, each checked to be the one its
+        entry names (subject and sequence). On a mismatch, or an entry pointing at no record, the
+        consume log is rebuilt from the message log (rebuild.py) and the entries read again one by
+        one; a record that still cannot be read is reported (`unreadable`) and comes back as None."""
+        entries = [e for e in entries if (subject, e.seq) not in self.unreadable]
+        spans = [(e.offset, e.size) for e in entries]
+        try:
+            found = self.message_log.read_records(spans)
+            wrong = next(
+                (
+                    f"consume log of {subject!r} seq {e.seq} points at {r.subject!r} seq {r.seq} (offset {e.offset})"
+                    for e, r in zip(entries, found, strict=True)
+                    if not r.is_blank and (r.subject != subject or r.seq != e.seq)
+                ),
+                None,
+            )
+            if wrong is None:
+                return list(found)
+        except rec.RecordError as exc:
+            wrong = f"consume log of {subject!r}: {exc}"
+        self._rebuild_consume_log(subject, wrong)
+        out: list[rec.Record | None] = []
+        for e in entries:
+            fresh = self.entries(subject, e.seq, 1)
+            entry = fresh[0] if fresh else None
+            if entry is None:
+                out.append(None)  # no readable record has this sequence
+                self._report_unreadable(subject, e.seq, e.offset, "no readable record has this sequence")
+                continue
+            try:
+                [record] = self.message_log.read_records([(entry.offset, entry.size)])
+            except rec.RecordError as exc:
+                self._report_unreadable(subject, e.seq, entry.offset, exc.reason)
+                out.append(None)
+                continue
+            out.append(record if record.subject == subject and record.seq == e.seq else None)
+        return out
+
+    def _report_damage(self, path: str, offset: int, reason: str) -> None:
+        """A damaged region of the message log found by the scrub (or a reader)."""
+        with self._lock:
+            self.damaged.append((path, offset, reason))
+        log.error(
+            "damaged record in %s at offset %d: %s (readers skip it; `qmq log repair` quarantines it)",
+            path,
+            offset,
+            reason,
+        )
+
+    def _report_unreadable(self, subject: str, seq: int, offset: int, reason: str) -> None:
+        """A message that cannot be read from the message log: reported once (log with file and
+        offset), kept in `unreadable` so readers move past it."""
+        if (subject, seq) in self.unreadable:
+            return
+        segment = self.message_log.segment_for(offset)
+        where = f"{segment.path} offset {offset}" if segment is not None else f"offset {offset}"
+        self.unreadable[(subject, seq)] = f"{where}: {reason}"
+        log.error("message %r seq %d cannot be read (%s): %s; readers skip it", subject, seq, where, reason)
 
     def read_record(self, offset: int) -> rec.Record:
         return self.message_log.read_record(offset)
@@ -529,45 +690,64 @@ class LogStore:
     def records(self, subject: str, seqs: Sequence[int]) -> list[rec.Record]:
         """The records of `subject` at consume-log sequences `seqs`, in that order, leaving out those
         retention removed and holes."""
-        spans = []
+        wanted = []
         start = self.message_log.start_offset
         for seq in seqs:
             entries = self.entries(subject, seq, 1)
             if entries and entries[0] is not None and entries[0].offset >= start:
-                spans.append((entries[0].offset, entries[0].size))
-        return [r for r in self.message_log.read_records(spans) if not r.is_blank]
+                wanted.append(entries[0])
+        return [r for r in self._read_entries(subject, wanted) if r is not None and not r.is_blank]
 
     def find_by_id(self, message_id: str) -> rec.Record | None:
         """The record with this message id, or None; a bounded number of reads (index.py)."""
-        for offset in self.index.find(rec.key_hash(message_id.encode())):
-            record = self._indexed_record(offset)
-            if record is not None and record.message_id == message_id:
-                return record
-        return None
+        found = self._find_indexed(rec.key_hash(message_id.encode()), lambda r: r.message_id == message_id)
+        return found[0] if found else None
 
     def find_all_by_id(self, message_id: str) -> list[rec.Record]:
         """Every record with this message id, oldest first: a broker's retry and dead-letter copies of
         a message keep its id (`qmq admin lookup`)."""
-        found = []
-        for offset in self.index.find(rec.key_hash(message_id.encode())):
-            record = self._indexed_record(offset)
-            if record is not None and record.message_id == message_id:
-                found.append(record)
+        found = self._find_indexed(rec.key_hash(message_id.encode()), lambda r: r.message_id == message_id)
         return sorted(found, key=lambda r: r.offset)
 
     def find_by_key(self, subject: str, key: str) -> list[rec.Record]:
         """Records of `subject` with this key, newest first."""
-        found = []
-        for offset in self.index.find(rec.key_hash(key.encode(), subject.encode())):
-            record = self._indexed_record(offset)
-            if record is not None and record.subject == subject and record.key == key:
-                found.append(record)
+        return self._find_indexed(
+            rec.key_hash(key.encode(), subject.encode()), lambda r: r.subject == subject and r.key == key
+        )
+
+    def _find_indexed(self, h: int, accept) -> list[rec.Record]:
+        """Records the index gives for hash `h` that `accept` confirms, newest first; looked up again
+        if an entry pointing at no record made the index be rebuilt meanwhile."""
+        for _attempt in range(2):
+            rebuilds = self._rebuilds
+            found = []
+            for offset in self.index.find(h):
+                record = self._indexed_record(offset)
+                if record is not None and accept(record):
+                    found.append(record)
+            if self._rebuilds == rebuilds:
+                break
         return found
 
     def _indexed_record(self, offset: int) -> rec.Record | None:
+        """The record an index entry points at. An entry pointing inside a record or at damage gets
+        the index rebuilt from the message log (the caller's look-up then misses this once)."""
         if offset < self.message_log.start_offset or offset >= self.message_log.end_offset:
             return None
-        return self.message_log.read_record(offset)
+        try:
+            return self.message_log.read_record(offset)
+        except rec.RecordError as exc:
+            if self._index_rebuilt_at == self.message_log.end_offset:
+                return None  # rebuilt already: the record itself is damaged
+            with self._lock:
+                log.warning("key index entry points at %s: rebuilding the index from the message log", exc)
+                self.index.close()
+                self.index = rebuild_index(
+                    self.message_log, self.data_dir / "index", self.config.index_slots, self.config.index_capacity
+                )
+                self._index_rebuilt_at = self.message_log.end_offset
+                self._rebuilds += 1
+            return None
 
     # ---- checkpoint and retention -------------------------------------------------------------
 
@@ -584,10 +764,19 @@ class LogStore:
         try:
             for fd in fds:
                 os.fsync(fd)
+        except OSError as exc:  # never retried as if it had worked (disk_space.py)
+            self._fail(exc, "fsync of the derived logs for a checkpoint")
+            raise
         finally:
             for fd in fds:
                 os.close(fd)
-        ckpt.save(self._checkpoint_dir, checkpoint)
+        try:
+            if self.write_hook is not None:
+                self.write_hook("checkpoint")
+            ckpt.save(self._checkpoint_dir, checkpoint)
+        except OSError as exc:
+            self.write_failed(exc, "checkpoint")
+            raise
         with self._checkpointed:
             self.checkpoint_offset = checkpoint.offset
             self._checkpointed.notify_all()
@@ -600,7 +789,7 @@ class LogStore:
     def checkpoint(self) -> None:
         """Make the derived logs durable up to the current end and record it. Not after a failed
         append: the derived logs may lack its records, which the next open derives again."""
-        if self._failed is not None:
+        if self.read_only_reason is not None:
             return
         snapshot = self._snapshot()
         self.flusher.wait_durable(snapshot[0].offset)
@@ -634,9 +823,13 @@ class LogStore:
         next_clean = time.monotonic() + self.config.clean_interval_s
         next_checkpoint = time.monotonic() + self.config.checkpoint_interval_s
         last_offset = self.message_log.end_offset
+        next_probe = 0.0
         while not self._stop.wait(BACKGROUND_TICK_S):
             try:
                 now = time.monotonic()
+                if self._out_of_space is not None and now >= next_probe:
+                    next_probe = now + PROBE_INTERVAL_S
+                    self.probe_space()
                 grown = self.message_log.end_offset - last_offset
                 if now >= next_checkpoint or grown >= self.config.checkpoint_bytes:
                     last_offset = self.message_log.end_offset
@@ -656,15 +849,18 @@ class LogStore:
                 return
             self._closed = True
         self._stop.set()
+        if self.scrub is not None:
+            self.scrub.stop()
         if self._background is not None:
             self._background.join()
         self.flusher.close()
-        if self.flusher.error is None and self._failed is None:
+        if self.read_only_reason is None:
             self._save_checkpoint(self._snapshot())
         with self._lock:
             self._close_files()
 
     def _close_files(self) -> None:
+        self._recovery_point.close()
         for consume_log in self._consume_logs.values():
             consume_log.close()
         if self.index is not None:
