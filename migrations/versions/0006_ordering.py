@@ -20,14 +20,18 @@ ORDERED_PENDING_WHERE = sa.text("state = 'pending' AND order_key IS NOT NULL")
 
 
 def upgrade() -> None:
-    op.add_column("qmq_outbox", sa.Column("order_key", sa.String(256), nullable=True))
-    op.create_index(
-        "ix_qmq_outbox_ordered_pending",
-        "qmq_outbox",
-        ["subject", "order_key", "id"],
-        postgresql_where=ORDERED_PENDING_WHERE,
-        sqlite_where=ORDERED_PENDING_WHERE,
-    )
+    # An outbox table made by Django's migrations from the current definition has them already.
+    inspector = sa.inspect(op.get_bind())
+    if "order_key" not in {c["name"] for c in inspector.get_columns("qmq_outbox")}:
+        op.add_column("qmq_outbox", sa.Column("order_key", sa.String(256), nullable=True))
+    if "ix_qmq_outbox_ordered_pending" not in {i["name"] for i in inspector.get_indexes("qmq_outbox")}:
+        op.create_index(
+            "ix_qmq_outbox_ordered_pending",
+            "qmq_outbox",
+            ["subject", "order_key", "id"],
+            postgresql_where=ORDERED_PENDING_WHERE,
+            sqlite_where=ORDERED_PENDING_WHERE,
+        )
     op.create_table(
         "qmq_meta_queue",
         sa.Column("subject", sa.String(200), primary_key=True),
