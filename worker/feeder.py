@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from qmq.client import Client, ClientError, Delivery, Subscription
 from worker.app import Consumer
@@ -28,6 +29,8 @@ LEFTOVER_BATCH = 256
 
 
 class Feeder:
+    ordered = False  # an OrderedFeeder (ordered_feeder.py) consumes queue by queue
+
     def __init__(
         self,
         consumer: Consumer,
@@ -73,6 +76,8 @@ class Feeder:
             self._stop.wait(delay)
             delay = min(SUBSCRIBE_RETRY_MAX_S, delay * 2)
         while not self._stop.is_set():
+            if not self._may_pull():
+                continue
             take = self.capacity.reserve(RESERVE_WAIT_S)
             if take == 0:
                 continue
@@ -82,8 +87,15 @@ class Feeder:
             finally:
                 self.capacity.received(take, len(deliveries))
             if deliveries:
-                self.dispatch(self, deliveries)
+                self._deliver(deliveries)
         self._hand_over_buffered()
+
+    def _may_pull(self) -> bool:
+        """Whether to pull now (an ordered feeder holding no queue waits instead)."""
+        return True
+
+    def _deliver(self, deliveries: list[Delivery]) -> None:
+        self.dispatch(self, deliveries)
 
     def _hand_over_buffered(self) -> None:
         """On stopping: what the client received beyond the last pull (its registration pull, or a
@@ -93,27 +105,26 @@ class Feeder:
             return
         while deliveries := self.subscription.take_buffered(LEFTOVER_BATCH):
             self.capacity.received(0, len(deliveries))
-            self.dispatch(self, deliveries)
+            self._deliver(deliveries)
 
     def _subscribe(self) -> bool:
         c = self.consumer
         try:
             self.subscription = self.client.subscribe(
-                c.subject,
-                c.group,
-                consumer=self.consumer_id,
-                tags=c.tags,
-                match_all=c.match_all,
-                broadcast=c.broadcast,
-                start=self.start_at,
+                c.subject, c.group, consumer=self.consumer_id, start=self.start_at, **self._subscription_options()
             )
         except ClientError as exc:
             self._trouble(f"cannot subscribe to {c.subject} as {c.group}: {exc}")
             return False
         self._fine()
         self.subscribed.set()
-        log.info("consuming %s as group %s (consumer %s)", c.subject, c.group, self.consumer_id)
+        how = " in order" if self.ordered else ""
+        log.info("consuming %s%s as group %s (consumer %s)", c.subject, how, c.group, self.consumer_id)
         return True
+
+    def _subscription_options(self) -> dict[str, Any]:
+        c = self.consumer
+        return {"tags": c.tags, "match_all": c.match_all, "broadcast": c.broadcast}
 
     def _pull(self, take: int) -> list[Delivery]:
         assert self.subscription is not None

@@ -24,13 +24,11 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from typing import Any
 
-from qmq.client import Client, ClientError, Delivery
+from qmq.client import ClientError, Delivery
 from qmq.client.ordering import QueueLocks
-from worker.capacity import Capacity
-from worker.consumer import Consumer
-from worker.feeder import PULL_WAIT_S, RESERVE_WAIT_S, Feeder
+from worker.feeder import PULL_WAIT_S, Feeder
 from worker.key_gate import KeyGate, gate_key
 from worker.outcome import Kind, Outcome
 
@@ -42,23 +40,20 @@ IDLE_WAIT_S = 0.2  # holding no queue, the pull thread looks again after this lo
 
 
 class OrderedFeeder(Feeder):
-    def __init__(
-        self,
-        consumer: Consumer,
-        client: Client,
-        consumer_id: str,
-        capacity: Capacity,
-        dispatch: Callable[[Feeder, list[Delivery]], None],
-        default_start: str = "earliest",
-    ) -> None:
-        super().__init__(consumer, client, consumer_id, capacity, dispatch, default_start)
+    ordered = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """As `Feeder`'s."""
+        super().__init__(*args, **kwargs)
         self.gate = KeyGate()
         self.held: dict[int, float] = {}  # queue -> trusted until (monotonic)
         self.share: set[int] = set()
         self.members: list[str] = []
         self._gate_lock = threading.Lock()
         self._orphans: dict[int, list[Delivery]] = {}  # pulled for queues no longer held here (see _orphan)
-        self._lease_thread = threading.Thread(target=self._lease_loop, name=f"qmq-lease-{consumer.name}", daemon=True)
+        self._lease_thread = threading.Thread(
+            target=self._lease_loop, name=f"qmq-lease-{self.consumer.name}", daemon=True
+        )
 
     def start(self) -> None:
         super().start()
@@ -186,45 +181,17 @@ class OrderedFeeder(Feeder):
 
     # ---- pulling --------------------------------------------------------------------------------------
 
-    def _subscribe(self) -> bool:
-        c = self.consumer
-        try:
-            self.subscription = self.client.subscribe(
-                c.subject, c.group, consumer=self.consumer_id, start=self.start_at, ordered=True
-            )
-        except ClientError as exc:
-            self._trouble(f"cannot subscribe to {c.subject} as {c.group}: {exc}")
-            return False
-        self._fine()
-        self.subscribed.set()
-        log.info("consuming %s in order as group %s (consumer %s)", c.subject, c.group, self.consumer_id)
-        return True
+    def _subscription_options(self) -> dict[str, Any]:
+        return {"ordered": True}
 
-    def _run(self) -> None:
-        delay = 0.5
-        while not self._stop.is_set() and self.subscription is None:
-            if self._subscribe():
-                break
-            self._stop.wait(delay)
-            delay = min(10.0, delay * 2)
-        while not self._stop.is_set():
-            if not self.held:
-                self._stop.wait(IDLE_WAIT_S)
-                continue
-            take = self.capacity.reserve(RESERVE_WAIT_S)
-            if take == 0:
-                continue
-            deliveries: list[Delivery] = []
-            try:
-                deliveries = self._pull(take)
-            finally:
-                self.capacity.received(take, len(deliveries))
-            if deliveries:
-                self._arrived(deliveries)
-        if self.subscription is not None:
-            while deliveries := self.subscription.take_buffered(256):
-                self.capacity.received(0, len(deliveries))
-                self._arrived(deliveries)
+    def _may_pull(self) -> bool:
+        if self.held:
+            return True
+        self._stop.wait(IDLE_WAIT_S)
+        return False
+
+    def _deliver(self, deliveries: list[Delivery]) -> None:
+        self._arrived(deliveries)
 
     def _pull(self, take: int) -> list[Delivery]:
         assert self.subscription is not None
