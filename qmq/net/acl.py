@@ -18,6 +18,7 @@ from typing import Any
 
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, ProtocolError
+from qmq.protocol.ordering import base_subject
 
 SYSTEM_PREFIXES = ("%RETRY%", "%DEAD%")
 
@@ -64,11 +65,13 @@ def forbidden(message: str) -> ProtocolError:
 
 
 def original_subject(stored: str) -> str:
-    """The user subject behind a stored subject (`%RETRY%subject%group` -> `subject`)."""
+    """The user subject behind a stored subject (`%RETRY%subject%group` -> `subject`, an ordered
+    subject's queue `subject#7` -> `subject`)."""
     for prefix in SYSTEM_PREFIXES:
         if stored.startswith(prefix):
-            return stored[len(prefix) :].split("%", 1)[0]
-    return stored
+            stored = stored[len(prefix) :].split("%", 1)[0]
+            break
+    return base_subject(stored)
 
 
 def consumer_group(key: str) -> str:
@@ -89,36 +92,35 @@ def authorize(principal: Principal, code: int, body: dict[str, Any]) -> None:
         messages = body.get("messages")
         for item in messages if isinstance(messages, list) else ():
             subject = item.get("subject") if isinstance(item, dict) else None
-            if isinstance(subject, str) and not principal.may_produce(subject):
+            if isinstance(subject, str) and not principal.may_produce(base_subject(subject)):
                 raise forbidden(f"application {principal.app!r} may not produce to {subject[:200]!r}")
         return
     if code == RequestCode.DELAY_CANCEL:
         if not principal.produce:
             raise forbidden(f"application {principal.app!r} produces nothing, so it may cancel nothing")
         return
-    if code == RequestCode.BROKER_PULL:
-        _consume(principal, body.get("subject"), body.get("group"))
-        return
-    if code == RequestCode.BROKER_ACK:
-        for item in _list(body.get("acks")):
-            if isinstance(item, list) and len(item) >= 2:
-                _consume(principal, item[0], item[1])
-        return
-    if code == RequestCode.BROKER_NACK:
-        for item in _list(body.get("nacks")):
-            if isinstance(item, dict):
-                _consume(principal, item.get("subject"), item.get("group"))
-        return
-    if code == RequestCode.BROKER_HEARTBEAT:
-        for item in _list(body.get("consumers")):
-            if isinstance(item, list) and len(item) >= 2:
-                _consume(principal, item[0], item[1])
+    consumed = _consumed(code, body)
+    if consumed is not None:
+        for stored, key in consumed:
+            _consume(principal, stored, key)
         return
     try:
         name = RequestCode(code).name
     except ValueError:
         return  # an unknown code: the server answers UNKNOWN_REQUEST
     raise forbidden(f"application {principal.app!r} may not {name} (an admin credential or the shared token may)")
+
+
+def _consumed(code: int, body: dict[str, Any]) -> list[tuple[Any, Any]] | None:
+    """The (stored subject, group key) pairs a consuming request names; None for other requests."""
+    if code in (RequestCode.BROKER_PULL, RequestCode.BROKER_QUEUE_LOCK):
+        return [(body.get("subject"), body.get("group"))]
+    if code in (RequestCode.BROKER_ACK, RequestCode.BROKER_HEARTBEAT):
+        items = _list(body.get("acks" if code == RequestCode.BROKER_ACK else "consumers"))
+        return [(i[0], i[1]) for i in items if isinstance(i, list) and len(i) >= 2]
+    if code == RequestCode.BROKER_NACK:
+        return [(i.get("subject"), i.get("group")) for i in _list(body.get("nacks")) if isinstance(i, dict)]
+    return None
 
 
 def _list(value: Any) -> list[Any]:

@@ -150,30 +150,10 @@ class Server:
         task.add_done_callback(self._connections.discard)
 
 
-async def serve(
-    handler: Handler,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    token: str | None = None,
-    limits: Limits = DEFAULT_LIMITS,
-    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-    net_limits: NetLimits | None = None,
-    tls: ssl.SSLContext | None = None,
-    authenticator: Authenticator | None = None,
-) -> Server:
-    """Start a `Server` listening on host:port and return it; `await server.close()` to stop."""
-    server = Server(
-        handler,
-        host=host,
-        port=port,
-        token=token,
-        limits=limits,
-        handshake_timeout_s=handshake_timeout_s,
-        net_limits=net_limits,
-        tls=tls,
-        authenticator=authenticator,
-    )
+async def serve(handler: Handler, host: str = "127.0.0.1", port: int = 0, **options: Any) -> Server:
+    """Start a `Server` listening on host:port (`options` as `Server` takes them) and return it;
+    `await server.close()` to stop."""
+    server = Server(handler, host=host, port=port, **options)
     await server.start()
     return server
 
