@@ -10,4 +10,7 @@ echo "[test] ruff"
 echo "[test] ruff format --check"
 "$VENV/bin/ruff" format --check . || { echo "[test] the formatter would change the files above: run '$VENV/bin/ruff format .'" >&2; exit 1; }
 echo "[test] pytest"
-exec "$VENV/bin/python" -m pytest "$@"
+# Three workers, a test file each at a time: most tests wait on servers, sockets and fsyncs, not
+# on the CPU. QMQ_TEST_WORKERS=0 runs everything in this process (for pdb, or -x on one failure).
+WORKERS=${QMQ_TEST_WORKERS:-3}
+exec "$VENV/bin/python" -m pytest -n "$WORKERS" --dist loadfile --durations=25 "$@"
