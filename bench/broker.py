@@ -255,13 +255,16 @@ async def client_produce(port: int, total: int, batch: int, size: int, inflight:
     return {"messages": sent, "seconds": elapsed, "rate": sent / elapsed}
 
 
-async def client_consume(port: int, total: int, max_pull: int) -> dict:
-    """Consume through the client library: one subscription, pull, ack each delivery (acks batched)."""
+async def client_consume(port: int, total: int, max_pull: int, prefetch: bool = False) -> dict:
+    """Consume through the client library: one subscription, pull, ack each delivery (acks batched);
+    `prefetch`: the subscription's next pull goes out while this one's deliveries are handled."""
     from qmq.client import AsyncClient
 
     got = 0
     async with AsyncClient(brokers=[f"{HOST}:{port}"]) as client:
-        subscription = await client.subscribe("bench", "bench-client", start="earliest")
+        subscription = await client.subscribe(
+            "bench", f"bench-client-{prefetch}-{time.monotonic_ns()}", start="earliest", prefetch=prefetch
+        )
         t0 = time.perf_counter()
         while got < total:
             for delivery in await subscription.pull(max_pull, 1.0):

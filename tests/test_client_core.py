@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from qmq.client.consuming import ACK_TIMEOUT_S, SubscriptionCore, pull_retry_delay_s
 from qmq.client.core import ClientCore
-from qmq.client.deliveries import AckTracker, SubscribeOptions, SubscriptionState
+from qmq.client.deliveries import PULL_REPLY_GRACE_S, AckTracker, SubscribeOptions, SubscriptionState
 from qmq.client.errors import ClientError, ConnectFailed, InvalidMessage, MetaUnreachable
 from qmq.client.messages import OutgoingMessage, SendError
 from qmq.client.routes import META_TIMEOUT_S, RouteBook, RouteCache, parse_address, parse_route, static_route
@@ -683,11 +683,11 @@ def test_cancel_asks_every_delay_server_and_names_one_it_could_not_ask() -> None
         loop.send([{"outcomes": ["unknown"]}, ConnectionError("lost")])
 
 
-def subscribed(*addresses: str) -> HandSubscription:
+def subscribed(*addresses: str, prefetch: bool = False) -> HandSubscription:
     """A subscription registered with every broker of a static route (the registration's pulls came
     back empty)."""
     client = HandClient(brokers=list(addresses))
-    subscription = HandSubscription(client, SubscribeOptions("order.created", "billing", "c1"))
+    subscription = HandSubscription(client, SubscribeOptions("order.created", "billing", "c1", prefetch=prefetch))
     loop = subscription._register()
     assert next(loop) == GetRoute("order.created")
     starts = [loop.send(finish(client.route("order.created")))]
@@ -749,6 +749,53 @@ def test_acks_flush_as_one_request_per_broker_and_a_failure_forgets_the_tracker(
     assert not subscription._state.is_current(deliveries[0])  # the broker delivers them again
     assert subscription._state.pull_request(A, 10, 0)["pulled"] == {}
     assert finish(subscription.flush()) is None  # nothing left to send: no step
+
+
+def test_acks_go_out_beside_the_next_long_poll_not_before_it() -> None:
+    """A pull about to wait puts the finished acknowledgements in flight and starts its long poll at
+    once (one round trip sooner); a failed ack seen later forgets its tracker as a flush would, and
+    an explicit flush waits for the acks still in flight."""
+    subscription = subscribed(A)
+    deliveries = pull_now(subscription, ["m1", "m2"])
+    for d in deliveries:
+        subscription._finish(d)
+    loop = subscription.pull(10, 2.0)
+    ack = next(loop)
+    assert isinstance(ack, Start) and ack.call == Call(
+        A, RequestCode.BROKER_ACK, {"acks": [["order.created", "billing", "c1", 1]]}, ACK_TIMEOUT_S
+    )
+    ack_reply: Future = Future()
+    pull = loop.send(ack_reply)
+    assert isinstance(pull, Start) and pull.call.code == RequestCode.BROKER_PULL  # the ack's answer not awaited
+    pull_reply: Future = Future()
+    wait = loop.send(pull_reply)
+    assert isinstance(wait, WaitAny) and wait.handles == [pull_reply]
+    flush = subscription.flush()
+    assert next(flush) == WaitAll([ack_reply], ACK_TIMEOUT_S + PULL_REPLY_GRACE_S)  # nothing new: waits
+    ack_reply.set_exception(ConnectionError("lost"))
+    assert finish(flush) is None
+    assert not subscription._state.is_current(deliveries[0])  # the broker delivers them again
+    pull_reply.set_result({"batches": []})
+
+
+def test_prefetch_puts_the_next_pull_in_flight_before_handing_out_a_reply() -> None:
+    subscription = subscribed(A, prefetch=True)
+    loop = subscription.pull(2, 1.0)
+    assert isinstance(next(loop), Start)
+    assert isinstance(loop.send(done({"batches": [batch("order.created", 0, ["m1", "m2", "m3"])]})), WaitAny)
+    ahead = loop.send(None)  # the reply is in: the next pull goes out before m1 and m2 are handed out
+    assert isinstance(ahead, Start) and ahead.call.body["pulled"] == {"order.created": 2}
+    reply: Future = Future()
+    assert [d.id for d in finish(loop, reply)] == ["m1", "m2"]
+    assert [d.id for d in finish(subscription.pull(2, 1.0))] == ["m3"]  # buffered; the pull ahead still out
+    reply.set_result({"batches": [batch("order.created", 3, ["m4"])]})
+    loop = subscription.pull(2, 1.0)
+    assert next(loop) == WaitAny([reply], pytest.approx(1.0, abs=0.5))  # taken without asking again
+    assert isinstance(loop.send(None), Start)  # and the next one goes ahead
+    assert [d.id for d in finish(loop, Future())] == ["m4"]
+    without = subscribed(A)
+    assert [d.id for d in pull_now(without, ["m1"])] == ["m1"]
+    assert not any(s.pending for s in without._slots.values())  # no prefetch: nothing in flight
 
 
 def test_a_refused_subscription_raises_and_a_lost_broker_rests() -> None:

@@ -38,6 +38,7 @@ __all__ = ["Admin", "Client", "Subscription"]
 
 SEND_THREADS = 16  # BROKER_SEND requests in flight at once for one send() call
 MAX_PULL_THREADS = 16  # broker groups a subscription long-polls at once
+ACK_THREADS = 16  # acknowledgements in flight beside the pulls (one per broker)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -197,7 +198,7 @@ class Subscription(SubscriptionCore):
     def _open(self) -> None:
         self._pull_lock = threading.Lock()  # one pull() at a time
         self._pool = ConnectionPool(client_id=self.client.client_id, token=self.client.token)
-        self._executor = ThreadPoolExecutor(max_workers=MAX_PULL_THREADS, thread_name_prefix="qmq-pull")
+        self._executor = ThreadPoolExecutor(max_workers=MAX_PULL_THREADS + ACK_THREADS, thread_name_prefix="qmq-pull")
         self._wakeup = threading.Event()  # ends a Sleep when the subscription closes
 
     def _do(self, step: Step) -> Any:

@@ -5,8 +5,9 @@
 flight there, and its failures), and the deliveries received and not yet returned. Its operations
 are loops of steps (`qmq.client.steps`): a pull round long-polls every group at once and returns as
 soon as one has messages, leaving the others in flight for the next call; acknowledgements wait and
-go out in batches (at the latest every ACK_FLUSH_INTERVAL_S, and before a pull waits); a broker that
-cannot take them is forgotten, and delivers those messages again.
+go out in batches (at the latest every ACK_FLUSH_INTERVAL_S, and before a pull waits: then in flight
+beside the pull, not awaited before it, so the long poll is in place one round trip sooner); a broker
+that cannot take them is forgotten, and delivers those messages again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from qmq.client.deliveries import (
     DEFAULT_PULL_MAX,
@@ -86,6 +87,14 @@ class PullSlot:
         return warned
 
 
+class AcksInFlight(NamedTuple):
+    """A BROKER_ACK put in flight before a pull (see `SubscriptionCore.pull`), checked once done."""
+
+    address: str
+    acks: list[list[Any]]
+    handle: Any
+
+
 def update_slots(slots: dict[str, PullSlot], route: Route) -> None:
     """Add the route's new groups (routes only grow) and take in changed addresses and flags."""
     for group in route.groups:
@@ -127,6 +136,7 @@ class SubscriptionCore:
         self._slots: dict[str, PullSlot] = {}
         self._buffer: deque[Delivery] = deque()
         self._last_flush = time.monotonic()
+        self._acks_in_flight: list[AcksInFlight] = []
         self._closed = False
         self._open()
 
@@ -164,10 +174,15 @@ class SubscriptionCore:
         if self._flush_due():
             yield from SubscriptionCore.flush(self)  # this class's loop, not a driver's method
         if ready := self.take_buffered(max):
+            if self.options.prefetch:
+                yield from self._prefetch(max, wait_s)
             return ready
-        yield from SubscriptionCore.flush(self)  # about to wait: send what is finished now, not after
+        yield from self._start_acks()  # about to wait: what is finished goes out now, beside the pull
         yield from self._pull_round(max, wait_s)
-        return self.take_buffered(max)
+        ready = self.take_buffered(max)
+        if self.options.prefetch:
+            yield from self._prefetch(max, wait_s)
+        return ready
 
     def take_buffered(self, max: int = DEFAULT_PULL_MAX) -> list[Delivery]:
         """Deliveries already received and not yet returned by `pull`, without asking any broker for
@@ -218,20 +233,24 @@ class SubscriptionCore:
         return outcomes[0][0], outcomes[0][1]
 
     def flush(self) -> Steps[None]:
-        """Send every acknowledgement made so far, one BROKER_ACK per broker. A broker that cannot
-        take them (lost connection, UNKNOWN_CONSUMER) will deliver those messages again."""
+        """Send every acknowledgement made so far, one BROKER_ACK per broker, and wait for the
+        answers (of those already in flight too). A broker that cannot take them (lost connection,
+        UNKNOWN_CONSUMER) will deliver those messages again."""
         with self._lock:
             acks = self._state.take_acks()
             self._last_flush = time.monotonic()
-        if not acks:
-            return
-        addresses = list(acks)
-        replies = yield Calls([Call(a, RequestCode.BROKER_ACK, {"acks": acks[a]}, ACK_TIMEOUT_S) for a in addresses])
-        for address, reply in zip(addresses, replies, strict=True):
-            if isinstance(reply, BaseException):
-                with self._lock:
-                    self._state.drop(address, acks[address])
-                log.warning("acks to %s failed (%s): the broker will deliver the messages again", address, reply)
+        if acks:
+            addresses = list(acks)
+            replies = yield Calls(
+                [Call(a, RequestCode.BROKER_ACK, {"acks": acks[a]}, ACK_TIMEOUT_S) for a in addresses]
+            )
+            for address, reply in zip(addresses, replies, strict=True):
+                self._ack_answered(address, acks[address], reply)
+        with self._lock:
+            in_flight = [a.handle for a in self._acks_in_flight]
+        if in_flight:
+            yield WaitAll(in_flight, ACK_TIMEOUT_S + PULL_REPLY_GRACE_S)
+            self._settle_acks()
 
     def heartbeat(self, worker: dict[str, Any] | None = None) -> Steps[None]:
         """Tell every broker this consumer is alive (for handlers slower than the broker's consumer
@@ -273,6 +292,34 @@ class SubscriptionCore:
         update_slots(self._slots, route)
         yield from self._pull_round(DEFAULT_PULL_MAX, 0.0)
 
+    def _start_acks(self) -> Steps[None]:
+        """Put the acknowledgements made so far in flight, one BROKER_ACK per broker, without waiting:
+        on one connection the broker reads them before the pull that follows, and journals both in
+        one fsync. Their answers are looked at once they came (`_settle_acks`)."""
+        self._settle_acks()
+        with self._lock:
+            acks = self._state.take_acks()
+            self._last_flush = time.monotonic()
+        for address, entries in acks.items():
+            handle = yield Start(Call(address, RequestCode.BROKER_ACK, {"acks": entries}, ACK_TIMEOUT_S))
+            with self._lock:
+                self._acks_in_flight.append(AcksInFlight(address, entries, handle))
+
+    def _settle_acks(self) -> None:
+        """Look at the answers of the acknowledgements in flight that came."""
+        with self._lock:
+            answered = [a for a in self._acks_in_flight if a.handle.done()]
+            self._acks_in_flight = [a for a in self._acks_in_flight if a not in answered]
+        for sent in answered:
+            if not sent.handle.cancelled():
+                self._ack_answered(sent.address, sent.acks, outcome(sent.handle))
+
+    def _ack_answered(self, address: str, acks: list[list[Any]], reply: Any) -> None:
+        if isinstance(reply, BaseException):
+            with self._lock:
+                self._state.drop(address, acks)
+            log.warning("acks to %s failed (%s): the broker will deliver the messages again", address, reply)
+
     def _finish(self, delivery: Delivery) -> bool:
         """Mark a delivery done (acknowledged, or nacked); True when the acknowledgements are due to go
         out (`flush`)."""
@@ -284,10 +331,11 @@ class SubscriptionCore:
         return time.monotonic() - self._last_flush >= ACK_FLUSH_INTERVAL_S
 
     def _mark_closed(self) -> list[Any]:
-        """Refuse further pulls; returns the handles of the pulls still in flight."""
+        """Refuse further pulls; returns the handles of the requests still in flight."""
         with self._lock:
             self._closed = True
-        return [s.pending for s in self._slots.values() if s.pending is not None]
+            acks = [a.handle for a in self._acks_in_flight]
+        return [s.pending for s in self._slots.values() if s.pending is not None] + acks
 
     # ---- pulling -------------------------------------------------------------------------------------
 
@@ -318,6 +366,14 @@ class SubscriptionCore:
                 if self._buffer or remaining <= 0 or self._closed:
                     return
 
+    def _prefetch(self, max_count: int, wait_s: float) -> Steps[None]:
+        """Put the next pull in flight to every group that has none, while fewer than `max_count`
+        deliveries wait in the buffer (so at most about two pulls' worth is held ahead)."""
+        with self._lock:
+            if self._closed or len(self._buffer) >= max_count:
+                return
+        yield from self._start_pulls(max_count, wait_s, time.monotonic())
+
     def _start_pulls(self, max_count: int, wait_s: float, now: float) -> Steps[None]:
         for slot in self._slots.values():
             if not slot.can_pull(now):
@@ -331,6 +387,7 @@ class SubscriptionCore:
 
     def _harvest(self) -> None:
         """Take the replies of finished pulls into the buffer; note failures for back-off."""
+        self._settle_acks()
         fatal: BaseException | None = None
         for slot in self._slots.values():
             handle = slot.pending

@@ -137,6 +137,7 @@ class ClientCore:
         broadcast: bool = False,
         start: str = "latest",
         ordered: bool = False,
+        prefetch: bool = False,
     ) -> Steps[Any]:
         """Consume `subject` as consumer group `group` from every broker group of its route.
 
@@ -147,9 +148,20 @@ class ClientCore:
         `subscribe` returns reaches a new group. Raises `InvalidSubscription` (a ValueError) for
         what a broker would refuse, `MetaUnreachable`, or `NoRoute` when no broker group carries
         the subject. `ordered`: take only the queues set with `set_queues`, whose leases
-        `lock_queues` got (docs/ordering.md; the worker does both)."""
+        `lock_queues` got (docs/ordering.md; the worker does both). `prefetch`: each pull's reply
+        is followed at once by the next pull, so the brokers prepare the next messages while the
+        application handles these (for throughput; messages fetched ahead and not handed out when
+        the subscription closes come again after the broker's consumer timeout)."""
         options = SubscribeOptions(
-            subject, group, consumer or default_consumer_id(), tuple(tags), match_all, broadcast, start, ordered
+            subject,
+            group,
+            consumer or default_consumer_id(),
+            tuple(tags),
+            match_all,
+            broadcast,
+            start,
+            ordered,
+            prefetch,
         )
         subscription = yield Subscribe(options)
         self._subscriptions.add(subscription)

@@ -11,6 +11,7 @@ nothing is lost, at the price of a duplicate.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import secrets
@@ -37,6 +38,7 @@ from qmq.protocol.limits import (
 DEFAULT_PULL_MAX = 64  # messages asked for in one pull
 DEFAULT_PULL_WAIT_S = 2.5  # long polling: how long a pull waits for a message
 MAX_PULL_WAIT_S = MAX_PULL_WAIT_MS / 1000  # the broker's limit
+DATETIME_CACHE_SIZE = 4096  # distinct milliseconds whose datetime is kept (ms_to_datetime)
 PULL_REPLY_GRACE_S = 5.0  # a pull's reply may arrive this long after its wait before it is a timeout
 STARTS = ("latest", "earliest")
 
@@ -59,6 +61,9 @@ class SubscribeOptions:
     broadcast: bool = False
     start: str = "latest"
     ordered: bool = False  # pulls name the queues held (`SubscriptionState.queues`; docs/ordering.md)
+    # The next pull goes out as soon as a reply is in, while the application works on it (see
+    # `SubscriptionCore.pull`); False: a pull is asked for only when the application calls pull().
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -107,7 +112,9 @@ class Delivery:
         return self.stored_subject != self.subject
 
 
+@functools.lru_cache(maxsize=DATETIME_CACHE_SIZE)
 def ms_to_datetime(ms: int | None) -> datetime | None:
+    """Cached: the messages of one pull mostly share their store and creation milliseconds."""
     if ms is None:
         return None
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
@@ -357,14 +364,16 @@ class SubscriptionState:
 
     def _delivery(self, tracker: AckTracker, pull_seq: int, message: dict[str, Any]) -> Delivery:
         address, stored, group_key, consumer = tracker.key
-        payload = bytes(message.get("payload") or b"")
-        env = envelope.decode(payload)
+        payload = message.get("payload") or b""
+        if type(payload) is not bytes:
+            payload = bytes(payload)
+        env = envelope.decode(payload)  # headers: a dict of its own for each delivery
         return Delivery(
             id=str(message["id"]),
             subject=str(message.get("subject") or self.options.subject),
             body=env.body,
             content_type=env.content_type,
-            headers=dict(env.headers),
+            headers=env.headers,
             tags=tuple(message.get("tags") or ()),
             key=message.get("key"),
             attempt=int(message.get("attempt") or 1),

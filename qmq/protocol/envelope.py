@@ -15,6 +15,7 @@ import msgpack
 
 from qmq.protocol.bodies import BYTES, JSON
 from qmq.protocol.bodies import encode as encode_body
+from qmq.protocol.packing import pack
 
 MARKER = "qmq1"  # the envelope's format version, under key "v"
 # The header naming who produced a message; an outbox names itself "outbox:<database>", which lets the
@@ -49,7 +50,7 @@ def encode(
     envelope = {"v": MARKER, "b": raw, "ct": content_type, "t": created_at}
     if headers:
         envelope["h"] = {str(k): str(v) for k, v in headers.items()}
-    return msgpack.packb(envelope, use_bin_type=True)
+    return pack(envelope)
 
 
 def decode(payload: bytes) -> Envelope:
@@ -65,4 +66,5 @@ def decode(payload: bytes) -> Envelope:
         body = decode_body(raw, content_type)
     except (ValueError, UnicodeDecodeError):
         body, content_type = raw, BYTES
-    return Envelope(body, content_type, envelope.get("h") or {}, envelope.get("t"), raw)
+    headers = envelope.get("h")
+    return Envelope(body, content_type, headers if isinstance(headers, dict) else {}, envelope.get("t"), raw)

@@ -16,6 +16,7 @@ import msgpack
 
 from qmq.protocol.errors import ErrorCode, ProtocolError
 from qmq.protocol.limits import DEFAULT_LIMITS, MAX_BODY_DEPTH, Limits
+from qmq.protocol.packing import pack
 
 PROTOCOL_VERSION = 1
 
@@ -94,7 +95,7 @@ def encode_frame(
         raise ValueError(f"flags {flags!r} are not a valid combination")
     if body is not None and not isinstance(body, dict):
         raise ValueError(f"a body must be a dict or None, not {type(body).__name__}")
-    payload = NIL_BODY if body is None else msgpack.packb(body, use_bin_type=True)
+    payload = NIL_BODY if body is None else pack(body)
     length = HEADER_BYTES + len(payload)
     if length > limits.max_frame_bytes:
         raise ProtocolError(

@@ -25,9 +25,11 @@ log = logging.getLogger("qmq.store")
 
 DEFAULT_ASYNC_INTERVAL_MS = 500
 # Under load, wait this long after the previous fsync so more appends share the next one (PostgreSQL's
-# commit_delay). "Under load" means a request arrived while the previous fsync ran; otherwise (an idle
-# store, or a trickle of messages) the flush starts at once, so a lone writer pays no delay.
+# commit_delay). "Under load" means COMMIT_SIBLINGS or more flush requests arrived while the previous
+# fsync ran (PostgreSQL's commit_siblings); otherwise (an idle store, a trickle of messages, or a
+# send followed by its consumer's pull and ack) the flush starts at once, so they pay no delay.
 DEFAULT_COMMIT_WINDOW_MS = 1.0
+COMMIT_SIBLINGS = 4
 
 
 class FlushMode(StrEnum):
@@ -65,7 +67,7 @@ class Flusher:
         self.syncs = 0  # fsync rounds so far, for metrics and benchmarks
         self._requested = 0  # highest offset someone waits for
         self._syncing = False
-        self._busy = False  # a flush was requested while an fsync ran: use the commit window
+        self._arrivals = 0  # flush requests that came while the current fsync ran
         self._cond = threading.Condition()
         self._loops: dict[asyncio.AbstractEventLoop, _LoopWaiters] = {}
         self._stopping = False
@@ -79,7 +81,7 @@ class Flusher:
         with self._cond:
             if offset > self._requested:
                 self._requested = offset
-                self._busy = self._busy or self._syncing
+                self._arrivals += self._syncing
                 self._cond.notify_all()
 
     def wait_durable(self, offset: int, timeout: float | None = None) -> None:
@@ -119,7 +121,8 @@ class Flusher:
                 elif not self._stopping:
                     self._cond.wait(self.interval_s)
                 stopping = self._stopping
-                busy, self._busy, self._syncing = self._busy, False, True
+                busy = self._arrivals >= COMMIT_SIBLINGS
+                self._arrivals, self._syncing = 0, True
             since_last = time.monotonic() - last_sync
             if self.mode is FlushMode.SYNC and busy and since_last < self.commit_window_s and not stopping:
                 time.sleep(self.commit_window_s - since_last)
