@@ -368,25 +368,14 @@ class SubscriptionState:
         if type(payload) is not bytes:
             payload = bytes(payload)
         env = envelope.decode(payload)  # headers: a dict of its own for each delivery
+        message_id, subject = str(message["id"]), str(message.get("subject") or self.options.subject)
+        tags, attempt = tuple(message.get("tags") or ()), int(message.get("attempt") or 1)
+        created_at, stored_at = ms_to_datetime(env.created_at), ms_to_datetime(message.get("stored_at"))
+        # Positional, in the order of Delivery's fields: one of these per message received.
         return Delivery(
-            id=str(message["id"]),
-            subject=str(message.get("subject") or self.options.subject),
-            body=env.body,
-            content_type=env.content_type,
-            headers=env.headers,
-            tags=tuple(message.get("tags") or ()),
-            key=message.get("key"),
-            attempt=int(message.get("attempt") or 1),
-            created_at=ms_to_datetime(env.created_at),
-            stored_at=ms_to_datetime(message.get("stored_at")),
-            payload=payload,
-            broker=address,
-            stored_subject=stored,
-            group_key=group_key,
-            consumer=consumer,
-            pull_seq=pull_seq,
-            epoch=tracker.epoch,
-        )
+            message_id, subject, env.body, env.content_type, env.headers, tags, message.get("key"), attempt,
+            created_at, stored_at, payload, address, stored, group_key, consumer, pull_seq, tracker.epoch,
+        )  # fmt: skip
 
 
 def _key(delivery: Delivery) -> TrackerKey:
