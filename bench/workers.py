@@ -176,7 +176,7 @@ def latency(procs: Processes, rate: int, seconds: float) -> dict:
             pause = start + i / rate - time.monotonic()
             if pause > 0:
                 time.sleep(pause)
-            client.send_one("bench.latency", BODY)
+            client.send_one("bench.latency", {**BODY, "sent_at": time.time()})
     time.sleep(1.0)
     worker.send_signal(signal.SIGTERM)
     worker.wait(60)

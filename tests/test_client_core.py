@@ -798,6 +798,20 @@ def test_prefetch_puts_the_next_pull_in_flight_before_handing_out_a_reply() -> N
     assert not any(s.pending for s in without._slots.values())  # no prefetch: nothing in flight
 
 
+def test_a_pull_whose_reply_never_comes_is_given_up_after_its_grace() -> None:
+    """A driver may put requests in flight that nothing times out (the blocking one, on an open
+    connection): the loop itself gives up on a pull past its wait and grace, and pulls again."""
+    subscription = subscribed(A)
+    loop = subscription.pull(10, 0)
+    assert isinstance(next(loop), Start)
+    assert isinstance(loop.send(Future()), WaitAll)  # never answered
+    [slot] = subscription._slots.values()
+    slot.due -= PULL_REPLY_GRACE_S + 1  # as if the grace had passed
+    assert finish(loop) == []
+    assert slot.pending is None and slot.failures == 1  # a failure: retried at once by the next pull
+    assert isinstance(next(subscription.pull(10, 0)), Start)
+
+
 def test_a_refused_subscription_raises_and_a_lost_broker_rests() -> None:
     subscription = subscribed(A)
     loop = subscription.pull(10, 0)

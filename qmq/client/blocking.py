@@ -23,7 +23,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from qmq.client.admin import AdminCore
@@ -203,8 +203,7 @@ class Subscription(SubscriptionCore):
 
     def _do(self, step: Step) -> Any:
         if isinstance(step, Start):
-            call = step.call
-            return self._executor.submit(self._pool.request, call.address, call.code, call.body, call.timeout_s)
+            return self._start(step.call)
         if isinstance(step, WaitAny):
             wait(step.handles, timeout=step.timeout_s, return_when=FIRST_COMPLETED)
             return None
@@ -224,6 +223,17 @@ class Subscription(SubscriptionCore):
             self._wakeup.wait(step.seconds)
             return None
         raise TypeError(f"a subscription does not do {step!r}")
+
+    def _start(self, call: Call) -> Future[Any]:
+        """Put `call` in flight: on its open connection straight away (the reader thread answers the
+        Future, one thread hop less), else from a pull thread that connects first."""
+        conn = self._pool.connected(call.address)
+        if conn is not None:
+            try:
+                return conn.start(call.code, call.body)
+            except ConnectionError:
+                pass  # lost meanwhile: the pull thread opens a new one
+        return self._executor.submit(self._pool.request, call.address, call.code, call.body, call.timeout_s)
 
     def _shutdown(self) -> None:
         self._mark_closed()

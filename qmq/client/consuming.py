@@ -88,11 +88,13 @@ class PullSlot:
 
 
 class AcksInFlight(NamedTuple):
-    """A BROKER_ACK put in flight before a pull (see `SubscriptionCore.pull`), checked once done."""
+    """A BROKER_ACK put in flight before a pull (see `SubscriptionCore.pull`), checked once done, or
+    given up on at `due` (monotonic)."""
 
     address: str
     acks: list[list[Any]]
     handle: Any
+    due: float
 
 
 def update_slots(slots: dict[str, PullSlot], route: Route) -> None:
@@ -303,15 +305,18 @@ class SubscriptionCore:
         for address, entries in acks.items():
             handle = yield Start(Call(address, RequestCode.BROKER_ACK, {"acks": entries}, ACK_TIMEOUT_S))
             with self._lock:
-                self._acks_in_flight.append(AcksInFlight(address, entries, handle))
+                self._acks_in_flight.append(AcksInFlight(address, entries, handle, time.monotonic() + ACK_TIMEOUT_S))
 
     def _settle_acks(self) -> None:
         """Look at the answers of the acknowledgements in flight that came."""
+        now = time.monotonic()
         with self._lock:
-            answered = [a for a in self._acks_in_flight if a.handle.done()]
-            self._acks_in_flight = [a for a in self._acks_in_flight if a not in answered]
-        for sent in answered:
-            if not sent.handle.cancelled():
+            over = [a for a in self._acks_in_flight if a.handle.done() or now > a.due]
+            self._acks_in_flight = [a for a in self._acks_in_flight if a not in over]
+        for sent in over:
+            if not sent.handle.done():
+                self._ack_answered(sent.address, sent.acks, TimeoutError(f"no reply from {sent.address}"))
+            elif not sent.handle.cancelled():
                 self._ack_answered(sent.address, sent.acks, outcome(sent.handle))
 
     def _ack_answered(self, address: str, acks: list[list[Any]], reply: Any) -> None:
@@ -389,19 +394,26 @@ class SubscriptionCore:
         """Take the replies of finished pulls into the buffer; note failures for back-off."""
         self._settle_acks()
         fatal: BaseException | None = None
+        now = time.monotonic()
         for slot in self._slots.values():
             handle = slot.pending
-            if handle is None or not handle.done():
+            if handle is None:
+                continue
+            if handle.done():
+                if handle.cancelled():  # closed meanwhile
+                    slot.pending = None
+                    continue
+                reply = outcome(handle)
+            elif now > slot.due + PULL_REPLY_GRACE_S:  # a reply that never came (a driver may not time out)
+                reply = TimeoutError(f"no reply from {slot.address} within {PULL_REPLY_GRACE_S:g} s of its wait")
+            else:
                 continue
             slot.pending = None
-            if handle.cancelled():  # closed meanwhile
-                continue
-            reply = outcome(handle)
             if isinstance(reply, BaseException):
                 self.client._routes.invalidate([self.subject])  # the group's master may have moved
                 if is_fatal_pull_error(reply):
                     fatal = reply
-                elif slot.failed(time.monotonic()):
+                elif slot.failed(now):
                     log.warning(
                         "cannot pull %s from broker group %s at %s: %s; retrying",
                         self.subject,

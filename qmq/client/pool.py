@@ -83,6 +83,12 @@ class ConnectionPool(_Pool[BlockingConnection]):
     ) -> dict[str, Any]:
         return self.get(address).request(code, body, timeout)
 
+    def connected(self, address: str) -> BlockingConnection | None:
+        """The open connection to `address`, or None (none is opened here)."""
+        with self._lock:
+            conn = self._connections.get(address)
+        return conn if conn is not None and not conn.closed else None
+
     def close(self) -> None:
         """Close every connection; requests in flight fail with ConnectionError."""
         with self._lock:

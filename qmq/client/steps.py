@@ -50,7 +50,8 @@ class Sleep:
 @dataclass(frozen=True, slots=True)
 class Start:
     """Put a request in flight and go on. Outcome: its handle, a concurrent Future or an asyncio
-    Task: the loop keeps it and reads it once done (`outcome`)."""
+    Task: the loop keeps it and reads it once done (`outcome`). A driver need not time it out: the
+    loop gives up on a handle still not done after the request's `timeout_s`."""
 
     call: Call
 
@@ -92,6 +93,7 @@ Steps = Generator[Step, Any, T]
 
 
 def outcome(handle: Any) -> Any:
-    """The outcome of a finished, not cancelled request put in flight by `Start`, as for `Call`."""
+    """The outcome of a finished, not cancelled request put in flight by `Start`, as for `Call` ({}
+    for an empty reply)."""
     error = handle.exception()
-    return error if error is not None else handle.result()
+    return error if error is not None else (handle.result() or {})

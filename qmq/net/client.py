@@ -110,6 +110,14 @@ class BlockingConnection:
         assert future is not None
         return self._wait(request_id, future, timeout) or {}
 
+    def start(self, code: int, body: dict[str, Any] | None = None) -> _Reply:
+        """Send a request without waiting: a Future the reader thread completes with the reply's body
+        (None for an empty one) or its error. Nothing times it out: a caller that gives up on it just
+        stops looking. Raises ConnectionError when the request cannot be sent. Thread-safe."""
+        _, future = self._submit(code, body)
+        assert future is not None
+        return future
+
     def send_oneway(self, code: int, body: dict[str, Any] | None = None) -> None:
         """Send a request that gets no reply, not even an error. Thread-safe."""
         self._submit(code, body, oneway=True)
