@@ -384,8 +384,10 @@ def main() -> None:
                     print(
                         f"client send    AsyncClient.send, batch 64, {inflight:>2} in flight: {r['rate']:>9,.0f} msg/s"
                     )
-                r = asyncio.run(client_consume(broker.port, args.messages, 1024))
-                print(f"client consume AsyncSubscription pull + ack each:      {r['rate']:>9,.0f} msg/s")
+                for prefetch in (False, True):
+                    r = asyncio.run(client_consume(broker.port, args.messages, 1024, prefetch))
+                    how = "prefetch" if prefetch else "        "
+                    print(f"client consume AsyncSubscription pull + ack each {how}: {r['rate']:>9,.0f} msg/s")
                 for threads in (8, 32):
                     r = blocking_produce(broker.port, args.messages, 64, args.size, threads=threads)
                     print(
