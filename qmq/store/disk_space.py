@@ -9,7 +9,8 @@ Two kinds of failure, told apart by their errno:
   read-only until it is reopened, which checks the log from the durable recovery point.
 
 Space is reserved before it is mapped: a file written through mmap (the key index) has its pages
-allocated with `posix_fallocate` first, so a full disk is an ENOSPC on that call, never a SIGBUS.
+allocated and written with zeros first (`reserve_written`), so a full disk is an ENOSPC on that
+write, never a SIGBUS, and no write through the map waits for the file system's journal.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def reserve(fd: int, offset: int, length: int) -> None:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         _reserve_by_writing(fd, offset, length)
+
+
+def reserve_written(fd: int, offset: int, length: int) -> None:
+    """Allocate `length` bytes at `offset` by writing zeros where the file holds only zeros (data
+    stays), for a file written through mmap at random places: a page of an extent that is allocated
+    but never written (what `posix_fallocate` leaves) makes the file system convert it on the first
+    write, and on ext4 that waits for the journal, that is for any fsync in progress. Raises OSError
+    ENOSPC when the disk is full."""
+    _reserve_by_writing(fd, offset, length)
 
 
 def _reserve_by_writing(fd: int, offset: int, length: int) -> None:

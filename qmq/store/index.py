@@ -6,9 +6,11 @@ A look-up reads one slot and walks one chain per index file; the caller confirms
 against the record itself, so hash collisions cost a read, never a wrong answer. Files roll when full
 and are named by the first message-log offset they index. Derived from the message log.
 
-The file is sparse and written through mmap, so every page is allocated (`disk_space.reserve`)
-before it is written: the header and slots when the file is opened, entries `RESERVE_AHEAD_BYTES` at a
-time. A full disk is then an ENOSPC from `add`, never a SIGBUS.
+The file is sparse and written through mmap, so every page is allocated and zeroed
+(`disk_space.reserve_written`) before it is written: the header and slots when the file is opened,
+entries `RESERVE_AHEAD_BYTES` at a time. A full disk is then an ENOSPC from `add`, never a SIGBUS;
+and a random write into the slots never waits for an fsync (on ext4 a page fallocated but never
+written would: with random message ids that halved a broker's throughput, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import struct
 from pathlib import Path
 
-from qmq.store.disk_space import reserve
+from qmq.store.disk_space import reserve_written
 from qmq.store.files import TMP_SUFFIX, replace_durably, tmp_path
 from qmq.store.segment import list_segments, segment_name
 
@@ -51,7 +53,7 @@ class IndexFile:
         self.entries_at = HEADER_SIZE + self.slots * SLOT.size
         self.size = os.fstat(self.fd).st_size
         try:
-            reserve(self.fd, 0, min(self.entries_at, self.size))  # slots are written anywhere: all, now
+            reserve_written(self.fd, 0, min(self.entries_at, self.size))  # slots are written anywhere: all, now
         except OSError:
             self.close()
             raise
@@ -63,7 +65,7 @@ class IndexFile:
         if needed <= self.reserved_to:
             return
         end = min(self.size, max(needed, self.reserved_to + RESERVE_AHEAD_BYTES))
-        reserve(self.fd, self.reserved_to, end - self.reserved_to)
+        reserve_written(self.fd, self.reserved_to, end - self.reserved_to)
         self.reserved_to = end
 
     @property
