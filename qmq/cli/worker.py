@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from qmq.cli.options import brokers_option, meta_option, metrics_port_option, token_option
+from qmq.cli.options import POSITIVE_SECONDS, brokers_option, meta_option, metrics_port_option, token_option
 from qmq.client.routes import META_ENV
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -81,7 +81,7 @@ def _subjects(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="address for --metrics-port")
 @click.option(
     "--liveness-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=POSITIVE_SECONDS,
     default=60.0,
     show_default=True,
     metavar="SECONDS",
