@@ -51,6 +51,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def install_uvloop() -> None:
+    """The faster event loop, when installed (as a production deployment would have it)."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+
 class BrokerProcess:
     def __init__(self, flush: str, tree: Path = ROOT) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-broker-"))
@@ -331,12 +341,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--tree", type=Path, default=ROOT, help="run the broker of this checkout")
     args = parser.parse_args()
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     print(
         f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, flush {args.flush}, "
         f"{args.size} B messages, broker from {args.tree}, load average {os.getloadavg()[0]:.2f}"

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from broker import cpu_seconds, free_port, produce  # bench/broker.py
+from broker import cpu_seconds, free_port, install_uvloop, produce  # bench/broker.py
 
 from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
@@ -200,12 +200,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--failover-after", type=float, default=10.0)
     args = parser.parse_args()
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     print(
         f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, sync flush, "
         f"{args.size} B messages, load average {os.getloadavg()[0]:.2f}"

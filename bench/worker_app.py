@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import time
+
+import latency_recording  # bench/latency_recording.py
 
 import qmq
 
 app = qmq.App("bench", brokers=[os.environ.get("BENCH_BROKER", "127.0.0.1:20881")], db=os.environ.get("BENCH_DB"))
-latencies_ms: list[float] = []
 
 
 @app.consumer("bench.noop", group="bench", start="earliest")
@@ -33,12 +32,7 @@ if app.db_url:
 
 @app.consumer("bench.latency", group="bench")
 def latency(message: qmq.Message) -> None:
-    assert message.created_at is not None
-    latencies_ms.append((time.time() - message.created_at.timestamp()) * 1000)
+    latency_recording.record(message)
 
 
-@app.on("worker_shutting_down")
-def dump(worker: object, how: str) -> None:
-    if out := os.environ.get("BENCH_LATENCY_OUT"):
-        with open(out, "w") as f:
-            json.dump(latencies_ms, f)
+latency_recording.dump_at_shutdown(app)
