@@ -61,27 +61,17 @@ def install_uvloop() -> None:
         pass
 
 
+def broker_command(data_dir: Path, port: int, flush: str) -> list[str]:
+    """`qmq broker` on `port` with its store in `data_dir`, logging warnings only."""
+    args = ["--data-dir", str(data_dir), "--port", str(port), "--flush", flush, "-l", "WARNING"]
+    return [sys.executable, "-m", "qmq", "broker", *args]
+
+
 class BrokerProcess:
     def __init__(self, flush: str, tree: Path = ROOT) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-broker-"))
         self.port = free_port()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "qmq",
-                "broker",
-                "--data-dir",
-                str(self.dir / "data"),
-                "--port",
-                str(self.port),
-                "--flush",
-                flush,
-                "-l",
-                "WARNING",
-            ],
-            cwd=tree,
-        )
+        self.proc = subprocess.Popen(broker_command(self.dir / "data", self.port, flush), cwd=tree)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with socket.socket() as s:

@@ -35,18 +35,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from broker import HOST, broker_command, free_port  # noqa: E402 - bench/broker.py
+
 from qmq.client import Client, OutgoingMessage  # noqa: E402
 
-HOST = "127.0.0.1"
 PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 BODY = {"order": 12345, "note": "x" * 64}  # about 100 bytes as JSON
 DRAIN_DEADLINE_S = 600.0  # a backlog not handled within this fails the case
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, proc: subprocess.Popen) -> None:
@@ -68,20 +63,7 @@ class Processes:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-worker-"))
         self.broker_port = free_port()
         self.broker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "qmq",
-                "broker",
-                "--data-dir",
-                str(self.dir / "broker"),
-                "--port",
-                str(self.broker_port),
-                "--flush",
-                flush,
-                "-l",
-                "WARNING",
-            ],
+            broker_command(self.dir / "broker", self.broker_port, flush),
             cwd=ROOT,
             env={**os.environ, "QMQ_META": "", "QMQ_TOKEN": ""},
         )
