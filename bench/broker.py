@@ -45,6 +45,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Until `proc` listens on `port`; RuntimeError when it exits first or takes over `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.05)  # polling a port from outside the process
+    raise RuntimeError(f"nothing listened on {port}")
+
+
 def cpu_seconds(pid: int) -> float:
     """User and system CPU time of process `pid` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -72,13 +85,7 @@ class BrokerProcess:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-broker-"))
         self.port = free_port()
         self.proc = subprocess.Popen(broker_command(self.dir / "data", self.port, flush), cwd=tree)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex((HOST, self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError("the broker did not start")
+        wait_port(self.port, self.proc, 30)
 
     def cpu_ms_per_1000(self, since_s: float, messages: int) -> float:
         return (cpu_seconds(self.proc.pid) - since_s) * 1000 / messages * 1000

@@ -20,14 +20,13 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from broker import cpu_seconds, free_port, install_uvloop, produce  # bench/broker.py
+from broker import cpu_seconds, free_port, install_uvloop, produce, wait_port  # bench/broker.py
 
 from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
@@ -35,18 +34,6 @@ from qmq.protocol.errors import RemoteError
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
-
-
-def wait_port(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex((HOST, port)) == 0:
-                return
-        time.sleep(0.05)  # polling a port from outside the process
-    raise RuntimeError(f"nothing listened on {port}")
 
 
 class Cluster:

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,25 +34,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker import HOST, broker_command, free_port  # noqa: E402 - bench/broker.py
+from broker import HOST, broker_command, free_port, wait_port  # noqa: E402 - bench/broker.py
 
 from qmq.client import Client, OutgoingMessage  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 BODY = {"order": 12345, "note": "x" * 64}  # about 100 bytes as JSON
 DRAIN_DEADLINE_S = 600.0  # a backlog not handled within this fails the case
-
-
-def wait_port(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex((HOST, port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listened on {port}")
 
 
 class Processes:
