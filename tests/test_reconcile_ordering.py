@@ -5,7 +5,8 @@ ordered `qmq worker` with SQL idempotency.
 A broker stores an ordered message under its queue subject `subject#queue`, while its outbox row and
 its idempotency record name `subject`. The reconciliation must see one subject: every ordered message
 handled is delivered, a poison one dead-lettered, and the figures per subject and per group name
-`subject` (not one line per queue), with the idempotency records joined to the deliveries.
+`subject` (not one line per queue), with the idempotency records joined to the deliveries; and
+`--redrive-dead` asks for the dead letter under the queue subject the broker keeps it in.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import signal
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 
 import qmq
 from qmq.db.engine import create_engine
+from qmq.protocol.ordering import queue_of, queue_subject
 from spark_etl import classify as c
 from tests.support.ordering import (
     DEADLINE_S,
@@ -73,18 +76,24 @@ def test_ordered_messages_are_reconciled_under_their_subject(processes, tmp_path
     consumed = rows(db_url, "SELECT DISTINCT subject FROM qmq_consumed")
     assert consumed == [(SUBJECT,)]  # the idempotency records name the subject, not the queue
 
-    worker.send_signal(signal.SIGTERM)  # first: it acknowledges what it handled before it exits
+    worker.send_signal(signal.SIGTERM)  # it acknowledges what it handled before it exits
     assert worker.wait(EXIT_TIMEOUT_S) == 0, log_text(worker)[-2000:]
-    for proc in (b.proc for b in brokers):
-        proc.send_signal(signal.SIGTERM)
-    for proc in (b.proc for b in brokers):
-        assert proc.wait(EXIT_TIMEOUT_S) == 0, log_text(proc)[-2000:]
-    export_all([b.data_dir for b in brokers], tmp_path / "ledger")
+    ledger = tmp_path / "ledger"
+    export_all([b.data_dir for b in brokers], ledger)
 
+    # The cause of the poison message is fixed; the reconciliation re-drives its dead letter, which
+    # the broker keeps under the queue subject, and the next worker handles it.
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO ordered_fixed (order_key) VALUES ('poison')")
     out = tmp_path / "reconciliation"
     since, until = started - timedelta(minutes=1), datetime.now(UTC) + timedelta(minutes=1)
-    ledger = tmp_path / "ledger"
-    findings = reconcile(spark, out, [db_url], ledger, since, until, grace=timedelta(0), consumed_dbs=[db_url])
+    options = {"grace": timedelta(0), "consumed_dbs": [db_url], "redrive_dead": True, "meta": meta}
+    findings = reconcile(spark, out, [db_url], ledger, since, until, **options)
+    assert findings.redrive is not None
+    [redriven] = findings.redrive.dead
+    assert redriven["subject"] == queue_subject(SUBJECT, queue_of("poison")) and redriven.get("redriven") == 1
+    start_ordered_worker(processes, meta, db_url, "w2")
+    wait_until(lambda: handled_count(db_url) > len(sent), "the re-driven poison message handled", DEADLINE_S)
 
     summary = read_summary(out)
     assert summary["total"] == len(sent) + 1
