@@ -45,40 +45,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Until `proc` listens on `port`; RuntimeError when it exits first or takes over `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.05)  # polling a port from outside the process
+    raise RuntimeError(f"nothing listened on {port}")
+
+
 def cpu_seconds(pid: int) -> float:
     """User and system CPU time of process `pid` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def install_uvloop() -> None:
+    """The faster event loop, when installed (as a production deployment would have it)."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+
+def broker_command(data_dir: Path, port: int, flush: str) -> list[str]:
+    """`qmq broker` on `port` with its store in `data_dir`, logging warnings only."""
+    args = ["--data-dir", str(data_dir), "--port", str(port), "--flush", flush, "-l", "WARNING"]
+    return [sys.executable, "-m", "qmq", "broker", *args]
+
+
 class BrokerProcess:
     def __init__(self, flush: str, tree: Path = ROOT) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-broker-"))
         self.port = free_port()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "qmq",
-                "broker",
-                "--data-dir",
-                str(self.dir / "data"),
-                "--port",
-                str(self.port),
-                "--flush",
-                flush,
-                "-l",
-                "WARNING",
-            ],
-            cwd=tree,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex((HOST, self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError("the broker did not start")
+        self.proc = subprocess.Popen(broker_command(self.dir / "data", self.port, flush), cwd=tree)
+        wait_port(self.port, self.proc, 30)
 
     def cpu_ms_per_1000(self, since_s: float, messages: int) -> float:
         return (cpu_seconds(self.proc.pid) - since_s) * 1000 / messages * 1000
@@ -334,12 +341,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--tree", type=Path, default=ROOT, help="run the broker of this checkout")
     args = parser.parse_args()
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     print(
         f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, flush {args.flush}, "
         f"{args.size} B messages, broker from {args.tree}, load average {os.getloadavg()[0]:.2f}"

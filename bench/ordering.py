@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from workers import HOST, drop_database, free_port, pg_database, succeeded, wait_port  # noqa: E402
+from workers import (  # noqa: E402
+    HOST,
+    drop_database,
+    free_port,
+    latency_figures,
+    paced,
+    pg_database,
+    succeeded,
+    throughput,
+    wait_port,
+)
 
 from qmq.client import Client, OutgoingMessage  # noqa: E402
 
@@ -117,20 +126,7 @@ def drain(cluster: Cluster, subject: str, total: int, keys: int, ordered: bool) 
         finally:
             for proc, _ in workers:
                 proc.send_signal(signal.SIGCONT)
-        first_at = first_count = None
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            count, now = sum(succeeded(port) for _, port in workers), time.monotonic()
-            if first_at is None and count > 0:
-                first_at, first_count = now, count
-            if count >= total:
-                break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(f"only {count} of {total} handled")
-        assert first_at is not None and first_count is not None
-        seconds = max(now - first_at, 1e-3)
-        return {"messages": total, "seconds": round(seconds, 2), "msg_per_s": round((count - first_count) / seconds)}
+        return throughput(lambda: sum(succeeded(port) for _, port in workers), total, 0.1)
     finally:
         for proc, _ in workers:
             proc.send_signal(signal.SIGTERM)
@@ -153,11 +149,7 @@ def latency(cluster: Cluster, rate: int, seconds: float, keys: int, ordered: boo
         engine = create_engine(url)
         producer = qmq.Producer(brokers=cluster.addresses, engine=engine)
         total = int(rate * seconds)
-        start = time.monotonic()
-        for i in range(total):
-            pause = start + i / rate - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
+        for i in paced(rate, total):
             with engine.begin() as conn:
                 conn.execute(sa.text("SELECT 1"))
                 producer.send(subject, BODY, order_key=f"key-{i % keys}" if ordered else None, connection=conn)
@@ -169,14 +161,7 @@ def latency(cluster: Cluster, rate: int, seconds: float, keys: int, ordered: boo
         worker.send_signal(signal.SIGTERM)
         worker.wait(60)
         drop_database(name)
-    values = sorted(json.loads(out.read_text()))
-    return {
-        "messages": len(values),
-        "sent": total,
-        "p50_ms": round(statistics.median(values), 2),
-        "p99_ms": round(values[int(len(values) * 0.99) - 1], 2),
-        "max_ms": round(values[-1], 2),
-    }
+    return latency_figures(out, total)
 
 
 def main() -> None:

@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import time
+
+import latency_recording  # bench/latency_recording.py
 
 import qmq
 
 app = qmq.App("bench", brokers=os.environ.get("BENCH_BROKERS", "127.0.0.1:20881").split(","))
-latencies_ms: list[float] = []
 
 
 @app.consumer("bench.ordered", group="bench", start="earliest", ordered=True)
@@ -31,18 +30,12 @@ def unordered(message: qmq.Message) -> None:
 
 @app.consumer("bench.ordered_latency", group="bench", ordered=True)
 def ordered_latency(message: qmq.Message) -> None:
-    assert message.created_at is not None
-    latencies_ms.append((time.time() - message.created_at.timestamp()) * 1000)
+    latency_recording.record(message)
 
 
 @app.consumer("bench.unordered_latency", group="bench")
 def unordered_latency(message: qmq.Message) -> None:
-    assert message.created_at is not None
-    latencies_ms.append((time.time() - message.created_at.timestamp()) * 1000)
+    latency_recording.record(message)
 
 
-@app.on("worker_shutting_down")
-def dump(worker: object, how: str) -> None:
-    if out := os.environ.get("BENCH_LATENCY_OUT"):
-        with open(out, "w") as f:
-            json.dump(latencies_ms, f)
+latency_recording.dump_at_shutdown(app)

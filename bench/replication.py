@@ -20,14 +20,13 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from broker import cpu_seconds, free_port, produce  # bench/broker.py
+from broker import cpu_seconds, free_port, install_uvloop, produce, wait_port  # bench/broker.py
 
 from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
@@ -35,18 +34,6 @@ from qmq.protocol.errors import RemoteError
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
-
-
-def wait_port(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex((HOST, port)) == 0:
-                return
-        time.sleep(0.05)  # polling a port from outside the process
-    raise RuntimeError(f"nothing listened on {port}")
 
 
 class Cluster:
@@ -200,12 +187,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--failover-after", type=float, default=10.0)
     args = parser.parse_args()
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
+    install_uvloop()
     print(
         f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, sync flush, "
         f"{args.size} B messages, load average {os.getloadavg()[0]:.2f}"

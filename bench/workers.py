@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,34 +28,19 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from broker import HOST, broker_command, free_port, wait_port  # noqa: E402 - bench/broker.py
+
 from qmq.client import Client, OutgoingMessage  # noqa: E402
 
-HOST = "127.0.0.1"
 PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 BODY = {"order": 12345, "note": "x" * 64}  # about 100 bytes as JSON
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex((HOST, port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listened on {port}")
+DRAIN_DEADLINE_S = 600.0  # a backlog not handled within this fails the case
 
 
 class Processes:
@@ -66,20 +50,7 @@ class Processes:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-worker-"))
         self.broker_port = free_port()
         self.broker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "qmq",
-                "broker",
-                "--data-dir",
-                str(self.dir / "broker"),
-                "--port",
-                str(self.broker_port),
-                "--flush",
-                flush,
-                "-l",
-                "WARNING",
-            ],
+            broker_command(self.dir / "broker", self.broker_port, flush),
             cwd=ROOT,
             env={**os.environ, "QMQ_META": "", "QMQ_TOKEN": ""},
         )
@@ -142,24 +113,30 @@ def fill(address: str, subject: str, total: int) -> None:
             assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
 
 
+def throughput(handled: Callable[[], float], total: int, poll_s: float) -> dict:
+    """Wait (DRAIN_DEADLINE_S at most) until `handled()` reaches `total`; the rate from the first message handled
+    on, so that the workers' start-up does not count."""
+    first_at = first_count = None
+    deadline = time.monotonic() + DRAIN_DEADLINE_S
+    while time.monotonic() < deadline:
+        count, now = handled(), time.monotonic()
+        if first_at is None and count > 0:
+            first_at, first_count = now, count
+        if count >= total:
+            break
+        time.sleep(poll_s)
+    else:
+        raise RuntimeError(f"only {count} of {total} handled")
+    assert first_at is not None and first_count is not None
+    seconds = max(now - first_at, 1e-3)
+    return {"messages": total, "seconds": round(seconds, 2), "msg_per_s": round((count - first_count) / seconds)}
+
+
 def drain(procs: Processes, subject: str, total: int, *flags: str, env: dict[str, str] | None = None) -> dict:
     fill(procs.address, subject, total)
     worker, port = procs.worker(subject, *flags, env=env)
     try:
-        first_at = first_count = None
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            count, now = succeeded(port), time.monotonic()
-            if first_at is None and count > 0:
-                first_at, first_count = now, count
-            if count >= total:
-                break
-            time.sleep(0.2)
-        else:
-            raise RuntimeError(f"only {count} of {total} handled")
-        assert first_at is not None and first_count is not None
-        seconds = now - first_at
-        return {"messages": total, "seconds": round(seconds, 2), "msg_per_s": round((count - first_count) / seconds)}
+        return throughput(lambda: succeeded(port), total, 0.2)
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(60)
@@ -171,23 +148,34 @@ def latency(procs: Processes, rate: int, seconds: float) -> dict:
     time.sleep(1.0)  # let the worker's first long poll start
     total = int(rate * seconds)
     with Client(brokers=[procs.address]) as client:
-        start = time.monotonic()
-        for i in range(total):
-            pause = start + i / rate - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
+        for _ in paced(rate, total):
             client.send_one("bench.latency", {**BODY, "sent_at": time.time()})
     time.sleep(1.0)
     worker.send_signal(signal.SIGTERM)
     worker.wait(60)
+    return latency_figures(out, total)
+
+
+def latency_figures(out: Path, sent: int) -> dict:
+    """The figures of the latencies (ms) a worker wrote to `out` (bench/latency_recording.py)."""
     values = sorted(json.loads(out.read_text()))
     return {
         "messages": len(values),
-        "sent": total,
+        "sent": sent,
         "p50_ms": round(statistics.median(values), 2),
         "p99_ms": round(values[int(len(values) * 0.99) - 1], 2),
         "max_ms": round(values[-1], 2),
     }
+
+
+def paced(rate: float, total: int) -> Iterator[int]:
+    """0 .. total-1, the i-th at `i / rate` seconds after the first: an open-loop load."""
+    start = time.monotonic()
+    for i in range(total):
+        pause = start + i / rate - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        yield i
 
 
 def pg_database() -> tuple[str, str]:

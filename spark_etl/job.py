@@ -18,6 +18,7 @@ from pyspark.sql import SparkSession, Window
 from pyspark.sql import functions as F
 
 from qmq.ledger import tables as lt
+from qmq.ledger.replay import parse_system_subject
 from spark_etl import classify as c
 from spark_etl import redrive as repairs
 from spark_etl.classify import ANOMALIES, CRITICAL, DEAD_LETTERED, NOT_ACKED, NOT_SHIPPED, Sources
@@ -120,7 +121,7 @@ def run(spark: SparkSession, settings: Settings) -> Findings:
         if threshold.exceeded(counts.get(cls, 0), total)
     ]
     if settings.redrive or settings.redrive_dead:
-        findings.redrive = _repair(settings, outbox_dbs, anomalies)
+        findings.redrive = _repair(settings, outbox_dbs, anomalies, src.messages)
     with _step("wrote the report"):
         write_all(out, findings)
     if counts.get(CRITICAL[0]):
@@ -144,7 +145,17 @@ def _examples(anomalies) -> dict[str, list[dict]]:
     return examples
 
 
-def _repair(settings: Settings, outbox_dbs, anomalies) -> repairs.RedriveReport:
+def _dead_letter_pairs(anomalies, messages) -> list[tuple[str, str]]:
+    """(stored subject, group) of the dead letters of the dead-lettered anomalies, as brokers name
+    them: an ordered message's dead letter is under its queue subject `subject#queue`, which the
+    classification reads as `subject` (spark_etl/sources.py)."""
+    dead = anomalies.where(F.col("class") == DEAD_LETTERED).select("message_id", F.explode("groups").alias("group"))
+    copies = messages.where(F.col("origin") == lt.DEAD).join(dead, ["message_id", "group"])
+    stored = copies.select("stored_subject", "group").distinct().collect()
+    return sorted({(parse_system_subject(r["stored_subject"])[1], r["group"]) for r in stored})
+
+
+def _repair(settings: Settings, outbox_dbs, anomalies, messages) -> repairs.RedriveReport:
     report = repairs.RedriveReport()
     if settings.redrive:
         urls = {db.name: db.url for db in outbox_dbs}
@@ -153,12 +164,5 @@ def _repair(settings: Settings, outbox_dbs, anomalies) -> repairs.RedriveReport:
             ids.setdefault(row["database"], []).append(row["message_id"])
         repairs.redrive_outbox(urls, ids, report)
     if settings.redrive_dead:
-        pairs = [
-            (r["subject"], r["group"])
-            for r in anomalies.where(F.col("class") == DEAD_LETTERED)
-            .select("subject", F.explode("groups").alias("group"))
-            .distinct()
-            .collect()
-        ]
-        repairs.redrive_dead(pairs, settings.brokers, settings.meta, None, report)
+        repairs.redrive_dead(_dead_letter_pairs(anomalies, messages), settings.brokers, settings.meta, None, report)
     return report

@@ -7,7 +7,8 @@ classification, and recorded in the report.
   short transaction each.
 - Dead letters: each broker is asked to send the dead letters of each (subject, group) that
   dead-lettered a message of the window back to that group (BROKER_DEAD_REDRIVE: every dead letter of
-  the pair not re-driven yet, not only the window's).
+  the pair not re-driven yet, not only the window's). An ordered message's pair names its queue
+  subject `subject#queue`, where its broker keeps the dead letter.
 """
 
 from __future__ import annotations

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from sqlalchemy.engine import make_url
 
 from qmq.ledger import tables as lt
 from qmq.outbox.schema import outbox as outbox_table
+from qmq.protocol.ordering import ORDERED_QUEUES, QUEUE_SUBJECT_RE
 from spark_etl.session import JDBC_DRIVER_CLASS
 from worker.schema import consumed as consumed_table
 
@@ -178,12 +179,23 @@ def spark_schema(table: str) -> T.StructType:
     return T.StructType(fields)
 
 
+def base_subject(stored: Column) -> Column:
+    """The producer's subject behind a queue subject (`orders#7` -> `orders`), others unchanged: as
+    qmq.protocol.ordering.base_subject, in Spark. A broker stores an ordered message under its queue
+    subject, while its outbox row and its idempotency record name the subject."""
+    pattern = f"^{QUEUE_SUBJECT_RE.pattern}$"
+    queue = F.regexp_extract(stored, pattern, 2)
+    is_queue = stored.rlike(pattern) & (queue.cast("int") < ORDERED_QUEUES)
+    return F.when(is_queue, F.regexp_extract(stored, pattern, 1)).otherwise(stored)
+
+
 STORED_COLUMN = {lt.MESSAGES: "first_stored_at", lt.DELIVERIES: "first_stored_at", lt.DELAYED: "stored_at"}
 
 
 def read_ledger_table(spark: SparkSession, ledger: Path, table: str, not_before: datetime | None = None) -> DataFrame:
     """One table of the ledger, with its partition columns; only messages first stored from
-    `not_before` on (whole days are skipped unread). Empty when no store wrote the table."""
+    `not_before` on (whole days are skipped unread). Empty when no store wrote the table. `subject`
+    is the producer's subject, an ordered message's queue aside (a message's `stored_subject` keeps it)."""
     path = ledger / table
     if not path.is_dir() or not any(path.rglob("*.parquet")):
         return spark.createDataFrame([], spark_schema(table))
@@ -193,7 +205,7 @@ def read_ledger_table(spark: SparkSession, ledger: Path, table: str, not_before:
             (F.col(lt.DATE) >= not_before.astimezone(UTC).strftime("%Y-%m-%d"))
             & (F.col(STORED_COLUMN[table]) >= F.lit(not_before))
         )
-    return frame
+    return frame.withColumn("subject", base_subject(F.col("subject")))
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Fixtures shared by every test: a PostgreSQL database and a Redis key space of this run's own,
-free ports, and real child processes that are always stopped."""
+free ports, real child processes that are always stopped, a broker, and an engine on the module's
+`db_url`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import psycopg
 import pytest
 import redis
 
+from qmq.db.engine import create_engine
+from tests.support.broker import start_broker
 from tests.support.processes import ProcessManager, free_port
 
 PG_ADMIN_URL = os.environ.get("QMQ_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -60,3 +63,18 @@ def processes(tmp_path):
         yield manager
     finally:
         manager.stop_all()
+
+
+@pytest.fixture
+def broker(processes, tmp_path):
+    """A broker of the test's own, with its store in tmp_path/broker (a module that wants other
+    flags defines its own `broker`)."""
+    return start_broker(processes, tmp_path / "broker")
+
+
+@pytest.fixture
+def engine(db_url):
+    """An engine on the `db_url` the test's module defines."""
+    engine = create_engine(db_url)
+    yield engine
+    engine.dispose()

@@ -24,6 +24,7 @@ from qmq.protocol.errors import ErrorCode
 from qmq.protocol.limits import MAX_MESSAGE_BYTES
 from tests.support.broker import ROOT, Broker, restart_broker, start_broker
 from tests.support.processes import free_port, wait_for_port
+from tests.test_meta import wait_until as poll_until
 
 HOST = "127.0.0.1"
 DRAIN_TIMEOUT_S = 30.0  # a test's messages must all arrive within this
@@ -70,12 +71,7 @@ def unfinished(brokers: list[Broker], subject: str, group: str) -> int:
 
 def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = DRAIN_TIMEOUT_S) -> Any:
     """Poll another process's state, where there is no event to wait on."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
+    return poll_until(condition, what, timeout_s)
 
 
 # ---- the blocking client -----------------------------------------------------------------------------

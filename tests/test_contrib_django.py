@@ -18,7 +18,6 @@ import qmq
 from qmq.db.engine import create_engine
 from qmq.db.migrate import head_revision, upgrade
 from qmq.outbox.schema import outbox
-from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
 from tests.support.outbox import committed_ids, consume, states
 from worker.schema import consumed
@@ -74,11 +73,6 @@ def engine(django_dbs, alias):
     engine = create_engine(django_dbs[alias])
     yield engine
     engine.dispose()
-
-
-@pytest.fixture
-def broker(processes, tmp_path):
-    return start_broker(processes, tmp_path / "broker")
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import qmq
 from qmq.db.engine import create_engine, fix_sqlite_transactions
 from qmq.db.migrate import upgrade
 from qmq.db.url import normalize_url
-from tests.support.broker import start_broker
 from tests.support.databases import fresh_database, sqlite_or_postgres
 from tests.support.outbox import consume, states
 
@@ -24,11 +23,6 @@ def db_url(request, tmp_path):
     with sqlite_or_postgres(request.param, request, tmp_path, "flask.sqlite3") as url:
         upgrade(url)
         yield url
-
-
-@pytest.fixture
-def broker(processes, tmp_path):
-    return start_broker(processes, tmp_path / "broker")
 
 
 @pytest.fixture

@@ -34,6 +34,12 @@ def broker(processes, tmp_path):
     return start_broker(processes, tmp_path / "b1")
 
 
+def ledger_export(*args: str) -> subprocess.CompletedProcess:
+    """`qmq ledger export ARGS` in a process of its own, its output captured."""
+    command = [sys.executable, "-m", "qmq", "ledger", "export", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
 def by_id(rows: list[dict], *keys: str) -> dict:
     return {tuple(r[k] for k in keys) if len(keys) > 1 else r[keys[0]]: r for r in rows}
 
@@ -148,25 +154,7 @@ def test_two_stores_into_one_ledger_and_the_command_line(processes, broker, tmp_
             send(conn, "ship", ids[b.data_dir.name], payload=payload())
     out = tmp_path / "ledger"
     for b in (broker, b2):
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "qmq",
-                "ledger",
-                "export",
-                "--data-dir",
-                str(b.data_dir),
-                "--out",
-                str(out),
-                "--since",
-                "yesterday",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=60,
-        )
+        result = ledger_export("--data-dir", str(b.data_dir), "--out", str(out), "--since", "yesterday")
         assert result.returncode == 0, result.stderr
         summary = json.loads(result.stdout)
         assert summary["name"] == b.data_dir.name and summary["rows"][t.MESSAGES] == 2
@@ -175,33 +163,9 @@ def test_two_stores_into_one_ledger_and_the_command_line(processes, broker, tmp_
         (name, m) for name, ms in ids.items() for m in ms
     )
 
-    bad = subprocess.run(
-        [sys.executable, "-m", "qmq", "ledger", "export", "--data-dir", str(tmp_path), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    bad = ledger_export("--data-dir", str(tmp_path), "--out", str(out))
     assert bad.returncode == 2 and "is not a qmq store" in bad.stderr
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qmq",
-            "ledger",
-            "export",
-            "--data-dir",
-            str(b2.data_dir),
-            "--out",
-            str(out),
-            "--since",
-            "last tuesday",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    bad = ledger_export("--data-dir", str(b2.data_dir), "--out", str(out), "--since", "last tuesday")
     assert bad.returncode == 2 and "is not a time" in bad.stderr
 
 

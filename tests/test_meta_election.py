@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from qmq.db.engine import create_engine
-from qmq.db.migrate import upgrade
 from qmq.meta.election import Election
-from tests.support.databases import sqlite_or_postgres
+from tests.support.databases import migrated_engine
 from tests.test_meta_registry import Clock
 
 AFTER_S = 10.0
@@ -18,11 +16,8 @@ AFTER_S = 10.0
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def engine(request, tmp_path):
-    with sqlite_or_postgres(request.param, request, tmp_path, "meta.sqlite3") as url:
-        upgrade(url)
-        engine = create_engine(url)
+    with migrated_engine(request.param, request, tmp_path, "meta.sqlite3") as engine:
         yield engine
-        engine.dispose()
 
 
 @pytest.fixture

@@ -189,11 +189,6 @@ def test_pre_handshake_floods_leave_memory_bounded_and_others_answered(processes
 # ---- bodies and fields ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def broker(processes, tmp_path):
-    return start_broker(processes, tmp_path / "broker")
-
-
 def refused(conn: BlockingConnection, code: int, body: dict) -> RemoteError:
     with pytest.raises(RemoteError) as info:
         conn.request(code, body)

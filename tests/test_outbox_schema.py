@@ -9,16 +9,13 @@ import sqlalchemy as sa
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
 from qmq.outbox.schema import outbox
-from tests.support.databases import fresh_database, sqlite_or_postgres
+from tests.support.databases import fresh_database, migrated_engine
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def engine(request, tmp_path):
-    with sqlite_or_postgres(request.param, request, tmp_path, "outbox.sqlite3") as url:
-        upgrade(url)
-        engine = create_engine(url)
+    with migrated_engine(request.param, request, tmp_path, "outbox.sqlite3") as engine:
         yield engine
-        engine.dispose()
 
 
 def row(message_id: str, **values) -> dict:

@@ -18,7 +18,6 @@ from qmq.client.errors import InvalidMessage
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
 from qmq.outbox import rows
-from tests.support.broker import start_broker
 from tests.support.databases import fresh_database, sqlite_or_postgres
 from tests.support.delay import start_delay_server
 from tests.support.outbox import committed_ids, consume, outbox_rows, states
@@ -37,18 +36,6 @@ def db_url(request, tmp_path):
         orders.create(engine)
         engine.dispose()
         yield url
-
-
-@pytest.fixture
-def engine(db_url):
-    engine = create_engine(db_url)
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture
-def broker(processes, tmp_path):
-    return start_broker(processes, tmp_path / "broker")
 
 
 @pytest.fixture

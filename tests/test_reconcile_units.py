@@ -13,11 +13,13 @@ from pyspark.sql import types as T
 
 from qmq.ids import new_id
 from qmq.ledger import tables as lt
+from qmq.protocol.ordering import base_subject
 from qmq.times import parse_duration, parse_time
 from spark_etl import classify as c
 from spark_etl.session import JDBC_PACKAGE, JdbcDriverMissing, jdbc_jar
 from spark_etl.settings import Threshold
 from spark_etl.sources import Database, parse_databases, spark_schema, uuid7_floor
+from spark_etl.sources import base_subject as base_subject_column
 from tests.support.reconcile import spark  # noqa: F401 - the shared SparkSession fixture
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
@@ -291,6 +293,28 @@ def test_each_rule_of_the_classification(spark) -> None:  # noqa: F811
     assert explained[ids["stored twice"]]["brokers"] == ["b1", "b2"]
     assert (rows[ids["delivered"]]["groups"], rows[ids["delivered"]]["groups_acked"]) == (1, 1)  # g1 alone
     assert (rows[ids["after g2"]]["groups"], rows[ids["after g2"]]["groups_unacked"]) == (2, 1)
+
+
+def test_the_subject_behind_a_queue_subject_as_the_protocol_says(spark) -> None:  # noqa: F811
+    names = [
+        "orders#7",
+        "orders#63",
+        "orders#64",
+        "orders#0007",
+        "orders#",
+        "a.b-c#0",
+        "#3",
+        "x#y#3",
+        "%DEAD%o#1%g",
+        "plain",
+    ]
+    frame = spark.createDataFrame([(n,) for n in names], "stored string")
+    got = {
+        r["stored"]: r["subject"]
+        for r in frame.select("stored", base_subject_column(F.col("stored")).alias("subject")).collect()
+    }
+    assert got == {n: base_subject(n) for n in names}
+    assert got["orders#7"] == "orders" and got["orders#64"] == "orders#64"
 
 
 def test_thresholds() -> None:

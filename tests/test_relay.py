@@ -34,18 +34,6 @@ def db_url(pg_url):
         yield url
 
 
-@pytest.fixture
-def engine(db_url):
-    engine = create_engine(db_url)
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture
-def broker(processes, tmp_path):
-    return start_broker(processes, tmp_path / "broker")
-
-
 def leave_for_relay(engine, subject: str, count: int) -> list[str]:
     """Commit `count` messages that no in-process sender will ship (as after a crash)."""
     producer = qmq.Producer(brokers=["127.0.0.1:1"], engine=engine, after_commit=False)

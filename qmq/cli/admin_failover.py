@@ -7,6 +7,7 @@ from __future__ import annotations
 import click
 
 from qmq.cli.admin_options import admin_client, admin_options, emit
+from qmq.cli.options import POSITIVE_SECONDS
 from qmq.client.admin import FAILOVER_TIMEOUT_S
 
 
@@ -16,7 +17,7 @@ from qmq.client.admin import FAILOVER_TIMEOUT_S
 @click.option("--to", default=None, metavar="HOST:PORT", help="the replica to promote [default: the in-sync one]")
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=POSITIVE_SECONDS,
     default=FAILOVER_TIMEOUT_S,
     show_default=True,
     help="seconds to wait for a replica to catch up",

@@ -10,14 +10,20 @@ from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.queue_lease import ORDERED_LEASE_S
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
 from qmq.cli.net_options import server_net_options
-from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
+from qmq.cli.options import CLIENTS_TOKEN_HELP as CLIENTS_TOKEN_HELP  # for `qmq delay-server`
+from qmq.cli.options import (
+    POSITIVE_SECONDS,
+    listen_options,
+    log_level_option,
+    serving_options,
+    setup_logging,
+    tuning,
+)
 from qmq.cli.time_options import DURATION
-from qmq.net.common import TOKEN_ENV
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS
 from qmq.store.followers import MAX_LAG_S
 from qmq.store.store import StoreError
 
-CLIENTS_TOKEN_HELP = f"token clients must present [env {TOKEN_ENV}]"
 ACK_REPLICAS_HELP = (
     "replicas that must hold a send durably before it is acknowledged [default: 1 when the group has a "
     "replica, else 0]; fewer in sync: the group answers sends READ_ONLY"
@@ -50,11 +56,10 @@ ADVERTISE_EXTERNAL = click.option(
     show_default=True,
     help=f"sync: reply after fsync (group commit); async: fsync every {DEFAULT_ASYNC_INTERVAL_MS} ms",
 )
-@token_option(CLIENTS_TOKEN_HELP)
-@metrics_port_option()
+@serving_options()
 @tuning(
     "--consumer-timeout",
-    click.FloatRange(min=0, min_open=True),
+    POSITIVE_SECONDS,
     DEFAULT_CONSUMER_TIMEOUT_S,
     "seconds of silence after which a consumer's unacked messages go to others",
     "consumer_timeout_s",

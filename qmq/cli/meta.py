@@ -7,9 +7,8 @@ from typing import Any
 import click
 import sqlalchemy as sa
 
-from qmq.cli.broker import CLIENTS_TOKEN_HELP
 from qmq.cli.net_options import server_net_options
-from qmq.cli.options import listen_options, log_level_option, metrics_port_option, setup_logging, token_option, tuning
+from qmq.cli.options import POSITIVE_SECONDS, listen_options, log_level_option, serving_options, setup_logging, tuning
 from qmq.db.url import DB_URL_ENV, DEFAULT_META_DB_URL, resolve_url
 from qmq.meta.election import FAILOVER_AFTER_S
 from qmq.meta.registry import UNAVAILABLE_AFTER_S
@@ -35,16 +34,15 @@ FAILOVER_HELP = "seconds without a heartbeat from a replicated group's master be
     default=None,
     help=f"SQLAlchemy URL of the meta database [env {DB_URL_ENV}; default {DEFAULT_META_DB_URL}]",
 )
-@token_option(CLIENTS_TOKEN_HELP)
-@metrics_port_option()
+@serving_options()
 @tuning(
     "--heartbeat-timeout",
-    click.FloatRange(min=0, min_open=True),
+    POSITIVE_SECONDS,
     UNAVAILABLE_AFTER_S,
     "seconds without a heartbeat after which a server is unavailable",
     "heartbeat_timeout_s",
 )
-@tuning("--failover-after", click.FloatRange(min=0, min_open=True), FAILOVER_AFTER_S, FAILOVER_HELP, "failover_after_s")
+@tuning("--failover-after", POSITIVE_SECONDS, FAILOVER_AFTER_S, FAILOVER_HELP, "failover_after_s")
 @log_level_option("INFO", "DEBUG, INFO, WARNING or ERROR")
 def meta(db_url: str | None, log_level: str, **settings: Any) -> None:
     """Run the meta server: broker groups and delay servers register and heartbeat here, and

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
+from qmq.cli.options import Decorator, stacked, tuning
 from qmq.net import guard
 from qmq.net.auth import MetaAuthenticator
 from qmq.net.options import configure_server
@@ -41,10 +42,9 @@ _SERVER = (
 )
 
 
-def _add(fn: Callable[..., Any], options: list[Callable[[Any], Any]]) -> Any:
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+def _file_option(flag: str, env: str, help: str) -> Decorator:
+    """An option naming an existing file (a certificate, a key, a CA), also read from `env`."""
+    return click.option(flag, envvar=env, type=_FILE, default=None, help=f"{help} [env {env}]")
 
 
 def tls_client_options(fn: F) -> F:
@@ -61,32 +61,11 @@ def tls_client_options(fn: F) -> F:
             configure_client(ClientTLS(ca, cert, key))
         return fn(*args, **kwargs)
 
-    return _add(
-        command,
-        [
-            click.option(
-                "--tls-ca",
-                envvar=TLS_CA_ENV,
-                type=_FILE,
-                default=None,
-                help=f"speak TLS to servers, trusting this CA file [env {TLS_CA_ENV}]",
-            ),
-            click.option(
-                "--tls-client-cert",
-                envvar=TLS_CERT_ENV,
-                type=_FILE,
-                default=None,
-                help=f"client certificate for servers that require one [env {TLS_CERT_ENV}]",
-            ),
-            click.option(
-                "--tls-client-key",
-                envvar=TLS_KEY_ENV,
-                type=_FILE,
-                default=None,
-                help=f"its private key [env {TLS_KEY_ENV}]",
-            ),
-        ],
-    )
+    return stacked(
+        _file_option("--tls-ca", TLS_CA_ENV, "speak TLS to servers, trusting this CA file"),
+        _file_option("--tls-client-cert", TLS_CERT_ENV, "client certificate for servers that require one"),
+        _file_option("--tls-client-key", TLS_KEY_ENV, "its private key"),
+    )(command)
 
 
 def server_net_options(fn: F) -> F:
@@ -116,66 +95,42 @@ def server_net_options(fn: F) -> F:
         return fn(*args, **kwargs)
 
     return tls_client_options(
-        _add(
-            command,
-            [
-                click.option(
-                    "--tls-cert",
-                    envvar=TLS_SERVER_CERT_ENV,
-                    type=_FILE,
-                    default=None,
-                    help=f"serve TLS with this certificate (PEM) [env {TLS_SERVER_CERT_ENV}]",
-                ),
-                click.option(
-                    "--tls-key",
-                    envvar=TLS_SERVER_KEY_ENV,
-                    type=_FILE,
-                    default=None,
-                    help=f"the certificate's private key [env {TLS_SERVER_KEY_ENV}]",
-                ),
-                click.option(
-                    "--tls-client-ca",
-                    envvar=TLS_CLIENT_CA_ENV,
-                    type=_FILE,
-                    default=None,
-                    help=f"require client certificates signed by this CA (mutual TLS) [env {TLS_CLIENT_CA_ENV}]",
-                ),
-                click.option(
-                    "--max-connections",
-                    type=click.IntRange(1),
-                    default=guard.MAX_CONNECTIONS,
-                    show_default=True,
-                    help="connections this server accepts at once",
-                ),
-                click.option(
-                    "--max-connections-per-address",
-                    type=click.IntRange(1),
-                    default=guard.MAX_CONNECTIONS_PER_ADDRESS,
-                    show_default=True,
-                    help="connections accepted at once from one IP address",
-                ),
-                click.option(
-                    "--memory-budget",
-                    type=click.IntRange(1),
-                    default=guard.MEMORY_BUDGET_BYTES // MIB,
-                    show_default=True,
-                    metavar="MIB",
-                    help="MiB of requests read and not yet answered, over all connections; above it reading waits",
-                ),
-                click.option(
-                    "--idle-timeout",
-                    type=click.FloatRange(0),
-                    default=guard.IDLE_TIMEOUT_S,
-                    show_default=True,
-                    help="seconds without a request (none in flight) before a connection is closed; 0: never",
-                ),
-                click.option(
-                    "--slow-read-timeout",
-                    type=click.FloatRange(0),
-                    default=guard.SLOW_READ_TIMEOUT_S,
-                    show_default=True,
-                    help="seconds a client may leave its replies unread before it is cut off; 0: never",
-                ),
-            ],
-        )
+        stacked(
+            _file_option("--tls-cert", TLS_SERVER_CERT_ENV, "serve TLS with this certificate (PEM)"),
+            _file_option("--tls-key", TLS_SERVER_KEY_ENV, "the certificate's private key"),
+            _file_option(
+                "--tls-client-ca", TLS_CLIENT_CA_ENV, "require client certificates signed by this CA (mutual TLS)"
+            ),
+            tuning(
+                "--max-connections",
+                click.IntRange(1),
+                guard.MAX_CONNECTIONS,
+                "connections this server accepts at once",
+            ),
+            tuning(
+                "--max-connections-per-address",
+                click.IntRange(1),
+                guard.MAX_CONNECTIONS_PER_ADDRESS,
+                "connections accepted at once from one IP address",
+            ),
+            tuning(
+                "--memory-budget",
+                click.IntRange(1),
+                guard.MEMORY_BUDGET_BYTES // MIB,
+                "MiB of requests read and not yet answered, over all connections; above it reading waits",
+                metavar="MIB",
+            ),
+            tuning(
+                "--idle-timeout",
+                click.FloatRange(0),
+                guard.IDLE_TIMEOUT_S,
+                "seconds without a request (none in flight) before a connection is closed; 0: never",
+            ),
+            tuning(
+                "--slow-read-timeout",
+                click.FloatRange(0),
+                guard.SLOW_READ_TIMEOUT_S,
+                "seconds a client may leave its replies unread before it is cut off; 0: never",
+            ),
+        )(command)
     )

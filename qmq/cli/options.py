@@ -19,6 +19,8 @@ Decorator = Callable[[F], F]
 SERVER_LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 CLIENT_LOG_FORMAT = "qmq %(levelname)s %(name)s: %(message)s"
 META_HELP = f"meta server [env {META_ENV}; default {DEFAULT_META_ADDRESS}]"
+CLIENTS_TOKEN_HELP = f"token clients must present [env {TOKEN_ENV}]"
+POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)  # a duration in seconds, more than none
 
 
 def stacked(*options: Decorator) -> Decorator:
@@ -62,6 +64,12 @@ def log_level_option(default: str = "WARNING", help: str = "DEBUG, INFO, WARNING
 
 def metrics_port_option(help: str = "serve Prometheus metrics here") -> Decorator:
     return click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help=help)
+
+
+def serving_options() -> Decorator:
+    """What every server takes beside its address: the token its clients must present, and where
+    it serves its metrics."""
+    return stacked(token_option(CLIENTS_TOKEN_HELP), metrics_port_option())
 
 
 def listen_options(default_host: str, default_port: int, port_help: str | None = None) -> Decorator:

@@ -42,10 +42,12 @@ THRESHOLD = Parsed("N|P%", Threshold.parse, Threshold)
 @click.option(
     "--ledger",
     required=True,
-    type=click.Path(exists=True, file_okay=False),
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="the ledger directory written by `qmq ledger export`",
 )
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="where to write the results")
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="where to write the results"
+)
 @click.option("--since", type=TIME, default=DEFAULT_SINCE, show_default=True, help="start of the window")
 @click.option("--until", type=TIME, default=DEFAULT_UNTIL, show_default=True, help="end of the window (excluded)")
 @click.option(
@@ -91,47 +93,13 @@ THRESHOLD = Parsed("N|P%", Threshold.parse, Threshold)
     show_default=True,
     help="DEBUG, INFO (each step's time), WARNING or ERROR (logged to stderr)",
 )
-def reconcile(
-    outbox_dbs,
-    ledger,
-    out,
-    since,
-    until,
-    grace,
-    consumed_dbs,
-    max_not_shipped,
-    max_not_acked,
-    ignore_groups,
-    redrive,
-    redrive_dead,
-    brokers,
-    meta,
-    jdbc_partitions,
-    master,
-    driver_memory,
-    log_level,
-) -> None:
+def reconcile(master, driver_memory, log_level, **options) -> None:
     """Reconcile outbox rows with the broker ledger and the consumers' records for the window
     [--since, --until): write summary.json, the anomalies (Parquet), report.md and anomalies.png
     into --out. Exit 0 within the thresholds, 3 over one, 4 critical, 1 failed."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = Settings(
-        outbox_dbs=list(outbox_dbs),
-        ledger=Path(ledger),
-        out=Path(out),
-        since=since,
-        until=until,
-        grace=grace,
-        consumed_dbs=list(consumed_dbs),
-        max_not_shipped=max_not_shipped,
-        max_not_acked=max_not_acked,
-        ignore_groups=list(ignore_groups),
-        redrive=redrive,
-        redrive_dead=redrive_dead,
-        brokers=list(brokers),
-        meta=meta,
-        jdbc_partitions=jdbc_partitions,
-    )
+    # Every other option is a setting of the same name; a repeated one comes as a tuple.
+    settings = Settings(**{name: list(v) if isinstance(v, tuple) else v for name, v in options.items()})
     try:
         settings.check()
         from spark_etl.sources import LedgerExports, parse_databases
@@ -147,7 +115,7 @@ def reconcile(
 
     brief = {k: v for k, v in summary(findings).items() if k not in ("sources", "window", "subjects", "groups")}
     click.echo(json.dumps(brief))
-    click.echo(f"report: {Path(out) / 'report.md'}", err=True)
+    click.echo(f"report: {settings.out / 'report.md'}", err=True)
     sys.exit(findings.exit_code)
 
 

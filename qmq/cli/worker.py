@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import click
 
-from qmq.cli.options import brokers_option, meta_option, metrics_port_option, token_option
+from qmq.cli.options import POSITIVE_SECONDS, brokers_option, meta_option, metrics_port_option, token_option
 from qmq.client.routes import META_ENV
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -81,7 +82,8 @@ def _subjects(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="address for --metrics-port")
 @click.option(
     "--liveness-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    "liveness_timeout_s",
+    type=POSITIVE_SECONDS,
     default=60.0,
     show_default=True,
     metavar="SECONDS",
@@ -97,22 +99,7 @@ def _subjects(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
     show_default=True,
     help="DEBUG, INFO, WARNING or ERROR (to stderr)",
 )
-def worker(
-    app_spec: str,
-    concurrency: int | None,
-    pool: str,
-    subjects: tuple[str, ...],
-    hostname: str | None,
-    prefetch_multiplier: int,
-    meta: str | None,
-    brokers: tuple[str, ...],
-    token: str | None,
-    metrics_port: int | None,
-    metrics_host: str,
-    liveness_timeout: float,
-    start: str,
-    log_level: str,
-) -> None:
+def worker(app_spec: str, meta: str | None, brokers: tuple[str, ...], log_level: str, **options: Any) -> None:
     """Run the consumers of an app: pull, handle, acknowledge after the handler (and its transaction)
     finished. SIGTERM or Ctrl-C: warm shutdown (finish what was pulled, ack, exit 0); a second Ctrl-C
     or SIGQUIT: cold shutdown (stop now; what was not acked is delivered again)."""
@@ -132,24 +119,12 @@ def worker(
         raise click.UsageError("give --meta or --broker, not both")
     if meta and from_env and (brokers or app.meta or app.brokers):
         meta = None  # flags, then the app's own settings, win over $QMQ_META
-    options = WorkerOptions(
-        concurrency=concurrency,
-        pool=pool,
-        subjects=subjects,
-        hostname=hostname or DEFAULT_HOSTNAME,
-        prefetch_multiplier=prefetch_multiplier,
-        meta=meta or None,
-        brokers=brokers,
-        token=token or None,
-        metrics_host=metrics_host,
-        metrics_port=metrics_port,
-        liveness_timeout_s=liveness_timeout,
-        app_spec=app_spec,
-        log_level=log_level,
-        start=start,
-    )
+    # The other options are the WorkerOptions of the same names.
+    options["hostname"] = options["hostname"] or DEFAULT_HOSTNAME
+    options["token"] = options["token"] or None
+    settings = WorkerOptions(app_spec=app_spec, meta=meta or None, brokers=brokers, log_level=log_level, **options)
     try:
-        runner = Worker(app, options, on_ready=_announce)
+        runner = Worker(app, settings, on_ready=_announce)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     try:

@@ -35,7 +35,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     MESSAGES: pa.schema(
         [
             ("message_id", pa.string()),
-            ("subject", pa.string()),  # the producer's subject
+            ("subject", pa.string()),  # the producer's subject, or an ordered message's `subject#queue`
             ("stored_subject", pa.string()),  # the subject, or %RETRY%subject%group, %DEAD%subject%group
             ("group", pa.string()),  # for a retry or dead-letter copy: its consumer group
             ("origin", pa.string()),  # PRODUCER, RETRY, DEAD or REDRIVEN

@@ -189,18 +189,11 @@ class Registry:
                     group_created = True
                 else:
                     read_only = bool(row.read_only)
+            # What every registration and heartbeat sets.
+            seen = {"external_address": external_address, "kind": kind, "group_name": group, "last_heartbeat_at": now}
             old = conn.execute(sa.select(schema.server).where(schema.server.c.address == address)).first()
             if old is None:
-                conn.execute(
-                    schema.server.insert().values(
-                        address=address,
-                        external_address=external_address,
-                        kind=kind,
-                        group_name=group,
-                        registered_at=now,
-                        last_heartbeat_at=now,
-                    )
-                )
+                conn.execute(schema.server.insert().values(address=address, registered_at=now, **seen))
                 event: str | None = "registered"
             else:
                 if (old.kind, old.group_name) != (kind, group):
@@ -209,13 +202,7 @@ class Registry:
                     event = "available again"
                 else:
                     event = None
-                values: dict[str, Any] = {
-                    "external_address": external_address,
-                    "kind": kind,
-                    "group_name": group,
-                    "last_heartbeat_at": now,
-                    "unregistered_at": None,
-                }
+                values: dict[str, Any] = {**seen, "unregistered_at": None}
                 if event is not None:
                     values["registered_at"] = now
                 conn.execute(schema.server.update().where(schema.server.c.address == address).values(**values))

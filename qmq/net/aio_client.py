@@ -11,25 +11,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+from collections.abc import Coroutine
 from typing import Any
 
 from qmq.net.common import (
-    CONNECT_TIMEOUT_S,
     READ_CHUNK_BYTES,
     REQUEST_TIMEOUT_S,
     ClientSide,
     fresh_copy,
     settle,
 )
-from qmq.net.tls import client_context, closed_before_handshake_hint
+from qmq.net.opening import Opener, tls_failed
+from qmq.net.tls import closed_before_handshake_hint
 from qmq.protocol.errors import ProtocolError
-from qmq.protocol.limits import DEFAULT_LIMITS, Limits
 
 _Reply = asyncio.Future[dict[str, Any] | None]
 
 
-class AsyncConnection:
-    """Open with `await AsyncConnection.open(...)`; usable as `async with`."""
+class AsyncConnection(Opener[Coroutine[Any, Any, "AsyncConnection"]]):
+    """Open with `await AsyncConnection.open(...)` (qmq/net/opening.py); usable as `async with`."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, side: ClientSide[_Reply]) -> None:
         """Use `open()`; this only wires the parts together."""
@@ -43,30 +43,15 @@ class AsyncConnection:
         self._tls = False
 
     @classmethod
-    async def open(
-        cls,
-        host: str,
-        port: int,
-        *,
-        client_id: str | None = None,
-        token: str | None = None,
-        timeout: float = CONNECT_TIMEOUT_S,
-        limits: Limits = DEFAULT_LIMITS,
-        tls: ssl.SSLContext | None = None,
+    async def _connect(
+        cls, host: str, port: int, side: ClientSide[_Reply], tls: ssl.SSLContext | None, timeout: float
     ) -> AsyncConnection:
-        """Connect and handshake. `token` defaults to `$QMQ_TOKEN`, `tls` to the process's client
-        TLS settings (`qmq.net.tls.client_context()`: none means plain TCP). Raises `RemoteError`
-        when the server refuses the handshake (UNAUTHORIZED, UNSUPPORTED_VERSION, ...),
-        `TimeoutError`, `ConnectionError` when the TLS handshake fails, or `OSError` when nothing
-        listens."""
-        if tls is None:
-            tls = client_context()
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(host, port, ssl=tls)
         except ssl.SSLError as exc:
-            raise ConnectionError(f"TLS with {host}:{port} failed: {exc.reason or exc}") from None
-        self = cls(reader, writer, ClientSide(f"{host}:{port}", client_id=client_id, token=token, limits=limits))
+            raise tls_failed(side.address, exc) from None
+        self = cls(reader, writer, side)
         self._tls = tls is not None
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"qmq-reader-{self.address}")
         try:

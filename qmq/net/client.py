@@ -18,7 +18,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from qmq.net.common import (
-    CONNECT_TIMEOUT_S,
     READ_CHUNK_BYTES,
     REQUEST_TIMEOUT_S,
     ClientSide,
@@ -26,17 +25,17 @@ from qmq.net.common import (
     fresh_copy,
     settle,
 )
-from qmq.net.tls import client_context, closed_before_handshake_hint
+from qmq.net.opening import Opener, tls_failed
+from qmq.net.tls import closed_before_handshake_hint
 from qmq.protocol.errors import ProtocolError
-from qmq.protocol.limits import DEFAULT_LIMITS, Limits
 
 READER_JOIN_TIMEOUT_S = 5.0  # close() waits this long for the reader thread to end
 
 _Reply = Future[dict[str, Any] | None]
 
 
-class BlockingConnection:
-    """Open with `BlockingConnection.open(...)`; usable as a context manager.
+class BlockingConnection(Opener["BlockingConnection"]):
+    """Open with `BlockingConnection.open(...)` (qmq/net/opening.py); usable as a context manager.
 
     Two locks, so that a thread blocked writing a large request never stops the reader thread from
     taking replies off the socket (which could deadlock with a server that is itself blocked
@@ -57,24 +56,9 @@ class BlockingConnection:
         self._reader = threading.Thread(target=self._read_loop, name=f"qmq-reader-{self.address}", daemon=True)
 
     @classmethod
-    def open(
-        cls,
-        host: str,
-        port: int,
-        *,
-        client_id: str | None = None,
-        token: str | None = None,
-        timeout: float = CONNECT_TIMEOUT_S,
-        limits: Limits = DEFAULT_LIMITS,
-        tls: ssl.SSLContext | None = None,
+    def _connect(
+        cls, host: str, port: int, side: ClientSide[_Reply], tls: ssl.SSLContext | None, timeout: float
     ) -> BlockingConnection:
-        """Connect and handshake. `token` defaults to `$QMQ_TOKEN`, `tls` to the process's client
-        TLS settings (`qmq.net.tls.client_context()`: none means plain TCP). Raises `RemoteError`
-        when the server refuses the handshake (UNAUTHORIZED, UNSUPPORTED_VERSION, ...),
-        `TimeoutError`, `ConnectionError` when the TLS handshake fails, or `OSError` when nothing
-        listens."""
-        if tls is None:
-            tls = client_context()
         sock = socket.create_connection((host, port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:
@@ -82,12 +66,12 @@ class BlockingConnection:
                 sock = tls.wrap_socket(sock, server_hostname=host)
             except ssl.SSLError as exc:
                 sock.close()
-                raise ConnectionError(f"TLS with {host}:{port} failed: {exc.reason or exc}") from None
+                raise tls_failed(side.address, exc) from None
             except BaseException:
                 sock.close()
                 raise
         sock.settimeout(None)  # the reader thread blocks in recv(); waits are bounded per request
-        self = cls(sock, ClientSide(f"{host}:{port}", client_id=client_id, token=token, limits=limits))
+        self = cls(sock, side)
         self._reader.start()
         try:
             request_id, future = self._submit(handshake=True)

@@ -110,6 +110,10 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not allowed in a body")
 
 
+# msgpack's per-object size limits: every one is `max_len` (decode_body).
+_UNPACK_LIMITS = ("max_str_len", "max_bin_len", "max_array_len", "max_map_len", "max_ext_len")
+
+
 def decode_body(payload: bytes, max_len: int, max_depth: int = MAX_BODY_DEPTH) -> dict[str, Any] | None:
     """Decode a frame body; any failure becomes `ProtocolError(BAD_BODY)`.
 
@@ -120,16 +124,7 @@ def decode_body(payload: bytes, max_len: int, max_depth: int = MAX_BODY_DEPTH) -
     the body: a hostile peer must not be able to write megabytes into the server's log.
     """
     try:
-        body = msgpack.unpackb(
-            payload,
-            raw=False,
-            ext_hook=_refuse_ext,
-            max_str_len=max_len,
-            max_bin_len=max_len,
-            max_array_len=max_len,
-            max_map_len=max_len,
-            max_ext_len=max_len,
-        )
+        body = msgpack.unpackb(payload, raw=False, ext_hook=_refuse_ext, **dict.fromkeys(_UNPACK_LIMITS, max_len))
     except Exception as exc:  # unpackb raises many types (ExtraData, FormatError, StackError, ...)
         # Not repr(exc): ExtraData's repr holds the whole decoded body and the bytes after it.
         raise ProtocolError(ErrorCode.BAD_BODY, f"body is not valid msgpack ({type(exc).__name__})") from None

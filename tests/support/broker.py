@@ -35,14 +35,22 @@ class Broker:
 
 def start_broker(processes, data_dir: Path, *args: str, port: int | None = None, name: str = "broker") -> Broker:
     """`qmq broker` on `data_dir` (sync flush unless `args` say otherwise); returns once it listens."""
+    return Broker(*start_server(processes, "broker", data_dir, args, port, name), data_dir, tuple(args))
+
+
+def start_server(
+    processes, command: str, data_dir: Path, args: tuple[str, ...], port: int | None, name: str
+) -> tuple[Any, int]:
+    """`qmq COMMAND` (a server with a data directory) on `port` (None: a free one), with no token or
+    meta server from the environment; its process and port, once it listens."""
     port = port or free_port()
     proc = processes.start(
-        ["-m", "qmq", "broker", "--data-dir", str(data_dir), "--port", str(port), *args],
+        ["-m", "qmq", command, "--data-dir", str(data_dir), "--port", str(port), *args],
         name=name,
         env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": ""},
     )
     wait_for_port(port, proc)
-    return Broker(proc, port, data_dir, tuple(args))
+    return proc, port
 
 
 def restart_broker(processes, broker: Broker, name: str = "broker-restarted") -> Broker:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 
@@ -38,6 +39,21 @@ def sqlite_or_postgres(kind: str, request, tmp_path, name: str) -> Iterator[str]
     else:
         with fresh_database(request.getfixturevalue("pg_url")) as url:
             yield url
+
+
+@contextlib.contextmanager
+def migrated_engine(kind: str, request, tmp_path, name: str) -> Iterator[Any]:
+    """An engine on a fresh database (as `sqlite_or_postgres`) holding qmq's tables; disposed after."""
+    from qmq.db.engine import create_engine
+    from qmq.db.migrate import upgrade
+
+    with sqlite_or_postgres(kind, request, tmp_path, name) as url:
+        upgrade(url)
+        engine = create_engine(url)
+        try:
+            yield engine
+        finally:
+            engine.dispose()
 
 
 def set_connections_allowed(url: str, allowed: bool) -> None:

@@ -15,8 +15,7 @@ from delay_server.dispatch_log import read_entries
 from delay_server.verify import iter_scheduled
 from qmq.client import Client
 from qmq.protocol.codes import RequestCode
-from tests.support.broker import ROOT, Broker
-from tests.support.processes import free_port, wait_for_port
+from tests.support.broker import Broker, start_server
 
 
 class DelayServer(Broker):
@@ -31,14 +30,7 @@ def start_delay_server(
     processes, data_dir: Path, *args: str, port: int | None = None, name: str = "delay"
 ) -> DelayServer:
     """`qmq delay-server` on `data_dir` with `args` (--broker or --meta, ...); returns once it listens."""
-    port = port or free_port()
-    proc = processes.start(
-        ["-m", "qmq", "delay-server", "--data-dir", str(data_dir), "--port", str(port), *args],
-        name=name,
-        env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": ""},
-    )
-    wait_for_port(port, proc)
-    return DelayServer(proc, port, data_dir, tuple(args))
+    return DelayServer(*start_server(processes, "delay-server", data_dir, args, port, name), data_dir, tuple(args))
 
 
 def restart_delay_server(processes, server: DelayServer, name: str = "delay-restarted") -> DelayServer:

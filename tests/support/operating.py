@@ -79,46 +79,15 @@ def operated_cluster(processes, pg_url: str, data_dir: Path) -> Iterator[Operate
         upgrade(db_url)
         with psycopg.connect(db_url, autocommit=True) as conn:
             conn.execute(TABLES)
-        proc = processes.start(
-            ["-m", "qmq", "meta", "--port", str(meta_port), "--db", f"sqlite:///{data_dir / 'meta.sqlite3'}"],
-            name="meta",
-            env=env,
-        )
-        wait_for_port(meta_port, proc)
-        proc = processes.start(
-            [
-                "-m",
-                "qmq",
-                "broker",
-                "--data-dir",
-                str(data_dir / "broker"),
-                "--port",
-                str(broker_port),
-                "--meta",
-                meta,
-                "--group",
-                "main",
-            ],
-            name="broker",
-            env=env,
-        )
-        wait_for_port(broker_port, proc)
-        proc = processes.start(
-            [
-                "-m",
-                "qmq",
-                "delay-server",
-                "--data-dir",
-                str(data_dir / "delay"),
-                "--port",
-                str(delay_port),
-                "--meta",
-                meta,
-            ],
-            name="delay",
-            env=env,
-        )
-        wait_for_port(delay_port, proc)
+
+        def start(name: str, port: int, *args: str) -> None:
+            """`qmq NAME --port PORT ARGS` with the cluster's token, once it listens."""
+            proc = processes.start(["-m", "qmq", name, "--port", str(port), *args], name=name, env=env)
+            wait_for_port(port, proc)
+
+        start("meta", meta_port, "--db", f"sqlite:///{data_dir / 'meta.sqlite3'}")
+        start("broker", broker_port, "--data-dir", str(data_dir / "broker"), "--meta", meta, "--group", "main")
+        start("delay-server", delay_port, "--data-dir", str(data_dir / "delay"), "--meta", meta)
         cluster = OperatedCluster(
             meta,
             f"127.0.0.1:{broker_port}",

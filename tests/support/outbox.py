@@ -15,6 +15,7 @@ from qmq.client.blocking import Client
 from qmq.client.deliveries import Delivery
 from qmq.outbox.schema import outbox
 from tests.support.broker import ROOT
+from tests.test_meta import wait_until
 
 DELIVERY_DEADLINE_S = 30.0
 
@@ -40,12 +41,7 @@ def committed_ids(engine: sa.Engine) -> set[str]:
 
 def wait_for(condition: Callable[[], Any], what: str, deadline_s: float = DELIVERY_DEADLINE_S) -> Any:
     """Poll `condition` (a state in a database or another process) until it is truthy."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"not within {deadline_s} s: {what}")
+    return wait_until(condition, what, deadline_s)
 
 
 def consume(
