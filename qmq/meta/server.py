@@ -191,7 +191,7 @@ class MetaService(Service):
     async def _forget(self, body: dict[str, Any]) -> dict[str, Any]:
         """REPL_FORGET (`qmq admin group forget`): remove a broker group's member gone for good."""
         group = validate_group(field(body, "group", str))
-        address = _address(body.get("address"))
+        address = await self._db(self.registry.internal_address, _address(body.get("address")))
         force = field(body, "force", bool, False)
         try:
             forgotten = await self._db(self.election.forget_member, group, address, force=force)
