@@ -1,10 +1,14 @@
 """docker-compose.yml, for real. First the file alone: valid for Debian's docker-compose, every service
-the dev cluster needs, healthchecks, named volumes, the ports of DESIGN.md, qmq commands whose flags
-exist. Then one start of the whole cluster (tests/support/compose.py: images from Debian's packages
-through scripts/docker/local.yml, free host ports, its own network) that the rest drive, in order:
-the README's quick start from the host, orders committed on the host and in an app container consumed
-once with their delayed payment timeouts, a broker SIGKILLed and restarted on its volume losing
-nothing, and `docker-compose run --rm reconcile` reporting every order's message delivered."""
+the dev cluster needs, each broker group a master and a replica on volumes of their own,
+healthchecks, named volumes, the ports of DESIGN.md, qmq commands whose flags exist, and the TLS
+override (docker-compose.tls.yml, with the certificates scripts/compose-tls-certs.sh makes), checked
+as docker-compose resolves it (TLS itself runs live in tests/test_dev.py and tests/test_demo.py).
+Then one start of the whole cluster (tests/support/compose.py: images from Debian's packages through
+scripts/docker/local.yml, free host ports, its own network) that the rest drive, in order: the
+README's quick start from the host, each broker group's replica in sync, orders committed on the
+host and in an app container consumed once with their delayed payment timeouts, a broker SIGKILLed
+and restarted on its volume losing nothing, and `docker-compose run --rm reconcile` reporting every
+order's message delivered."""
 
 from __future__ import annotations
 
@@ -24,9 +28,13 @@ import yaml
 
 import qmq
 from qmq.cli import main
+from qmq.cli.net_options import TLS_SERVER_CERT_ENV, TLS_SERVER_KEY_ENV
 from qmq.db.engine import create_engine
 from qmq.demo.run import CRASHING_SHOP
 from qmq.demo.shop import emails, invoices, metadata, order_placer, timeouts
+from qmq.net.client import BlockingConnection
+from qmq.net.tls import TLS_CA_ENV
+from qmq.protocol.codes import RequestCode
 from tests.support.broker import ROOT
 from tests.support.compose import (
     TEST_TIMEOUT_S,
@@ -42,19 +50,25 @@ COMPOSE = ROOT / "docker-compose.yml"
 LOCAL = ROOT / "scripts" / "docker" / "local.yml"
 
 pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
-SERVICES = {"postgres", "redis", "meta", "broker-a", "broker-b", "delay", "relay", "worker", "reconcile"}
+BROKERS = {"broker-a", "broker-a-replica", "broker-b", "broker-b-replica"}
+SERVICES = {"postgres", "redis", "meta", *BROKERS, "delay", "relay", "worker", "reconcile"}
+TLS_OVERRIDE = ROOT / "docker-compose.tls.yml"
+TLS_CERTS_SCRIPT = ROOT / "scripts" / "compose-tls-certs.sh"
 LONG_RUNNING = SERVICES - {"reconcile"}
+
+
+def resolved(*files: Path) -> dict:
+    """The files as docker-compose resolves them (anchors, merges, defaults)."""
+    assert shutil.which("docker-compose"), "docker-compose is missing: scripts/setup.sh installs Debian's package"
+    args = [a for f in files for a in ("-f", str(f))]
+    result = subprocess.run(["docker-compose", *args, "config"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
 
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    """The file as docker-compose resolves it (anchors, merges, defaults)."""
-    assert shutil.which("docker-compose"), "docker-compose is missing: scripts/setup.sh installs Debian's package"
-    result = subprocess.run(
-        ["docker-compose", "-f", str(COMPOSE), "config"], capture_output=True, text=True, cwd=ROOT, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    return yaml.safe_load(result.stdout)
+    return resolved(COMPOSE)
 
 
 def qmq_args(service: dict) -> list[list[str]]:
@@ -70,13 +84,90 @@ def test_the_cluster_has_every_service_with_healthchecks_and_volumes(config) -> 
     assert set(services) >= SERVICES
     for name in LONG_RUNNING:
         assert "healthcheck" in services[name], name
-    assert {"pgdata", "broker-a", "broker-b", "delay"} <= set(config["volumes"])
+    assert {"pgdata", *BROKERS, "delay"} <= set(config["volumes"])
     published = {p["published"] if isinstance(p, dict) else p for s in services.values() for p in s.get("ports", [])}
     for port in (20880, 20881, 20890):
         assert any(str(port) in str(p) for p in published), port
     qmq_services = [n for n, s in services.items() if s.get("image") == "qmq:dev"]
-    assert {"meta", "broker-a", "broker-b", "delay", "relay", "worker", "reconcile"} <= set(qmq_services)
+    assert {"meta", *BROKERS, "delay", "relay", "worker", "reconcile"} <= set(qmq_services)
     assert all(services[n]["build"]["context"] == str(ROOT) for n in qmq_services)  # one Dockerfile
+
+
+def mounts(service: dict) -> dict[str, tuple[str, bool]]:
+    """target -> (source, read-only) of a service's volumes, in either of compose's two forms."""
+    found = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target, *mode = volume.split(":")
+            found[target] = (source, mode == ["ro"])
+        else:
+            found[volume["target"]] = (volume["source"], bool(volume.get("read_only")))
+    return found
+
+
+def option(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_each_broker_group_is_a_master_and_a_replica_on_volumes_of_their_own(config) -> None:
+    members: dict[str, list[str]] = {}
+    for name, service in config["services"].items():
+        args = qmq_args(service)[0] if service.get("image") == "qmq:dev" else [""]
+        if args[0] == "broker":
+            members.setdefault(option(args, "--group"), []).append(name)
+            assert option(args, "--advertise") == f"{name}:20881", name  # containers dial the service name
+    assert {group: sorted(names) for group, names in members.items()} == {
+        "a": ["broker-a", "broker-a-replica"],
+        "b": ["broker-b", "broker-b-replica"],
+    }
+    data = [mounts(config["services"][n])["/data"][0] for n in BROKERS]
+    assert sorted(data) == sorted(BROKERS)  # one disk each: a replica is a second copy
+    for replica in ("broker-a-replica", "broker-b-replica"):  # the first of a group to report is master
+        assert set(config["services"][replica]["depends_on"]) == {replica.removesuffix("-replica")}
+    external = {option(qmq_args(config["services"][n])[0], "--advertise-external") for n in BROKERS}
+    assert len(external) == len(BROKERS)  # the host reaches whichever is master after a failover
+
+
+def test_the_tls_override_puts_every_qmq_process_on_tls(tmp_path) -> None:
+    """`-f docker-compose.yml -f docker-compose.tls.yml` as docker-compose resolves it, and the
+    certificates of scripts/compose-tls-certs.sh: signed by the CA, naming every address a client
+    dials (each server's advertised service name, the meta server's, 127.0.0.1 for the host)."""
+    services = resolved(COMPOSE, TLS_OVERRIDE)["services"]
+    servers = set()
+    for name, service in services.items():
+        if service.get("image") != "qmq:dev":
+            continue
+        env = service["environment"]
+        assert env[TLS_CA_ENV] == "/tls/ca.pem", name
+        assert (env[TLS_SERVER_CERT_ENV], env[TLS_SERVER_KEY_ENV]) == ("/tls/server.pem", "/tls/server.key"), name
+        assert mounts(service).get("/tls") == (str(ROOT / "tls"), True), name
+        for args in qmq_args(service):
+            if args[0] in ("meta", "broker", "delay-server"):
+                servers.add(name)
+    assert servers == {"meta", *BROKERS, "delay"}
+
+    made = subprocess.run(["bash", str(TLS_CERTS_SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    verified = subprocess.run(
+        ["openssl", "verify", "-CAfile", "ca.pem", "server.pem"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    names = subprocess.run(
+        ["openssl", "x509", "-in", "server.pem", "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    ).stdout
+    dialled = {"127.0.0.1", "meta"} | {
+        option(args, "--advertise").rsplit(":", 1)[0]
+        for name in servers
+        for args in qmq_args(services[name])
+        if option(args, "--advertise")
+    }
+    assert services["relay"]["environment"]["QMQ_META"] == "meta:20880"
+    for host in dialled:
+        assert (f"IP Address:{host}" if host[0].isdigit() else f"DNS:{host}") in names, host
+    assert not (tmp_path / "ca.key").exists()  # nothing more can be signed with the CA
 
 
 def test_every_qmq_command_line_parses(config) -> None:
@@ -199,6 +290,38 @@ def test_the_readme_quick_start_works_from_the_host(cluster) -> None:
     sent = [outputs[0].strip(), outputs[1].strip()]
     tailed = [json.loads(line) for line in outputs[2].splitlines()]
     assert sorted(m["id"] for m in tailed) == sorted(sent)
+
+
+REPLICA_DEADLINE_S = 30.0  # the replicas started with the cluster: in sync within a fetch or two
+
+
+def broker_replication(port: int) -> dict | None:
+    """A broker's BROKER_STATS "replication", through its published port (None while it cannot answer)."""
+    try:
+        with BlockingConnection.open("127.0.0.1", port, token="", timeout=5) as conn:
+            return conn.request(RequestCode.BROKER_STATS, {}, timeout=10).get("replication")
+    except OSError:
+        return None
+
+
+def test_each_broker_group_has_a_replica_in_sync(cluster) -> None:
+    """BROKER_STATS of each group's master names the other member as a replica in sync (so a send is
+    acknowledged on two disks), whichever of the two the meta server made master."""
+
+    def in_sync(group: str) -> dict | None:
+        members = {f"{group}:{port}": cluster.ports[port] for port in (group, f"{group}_REPLICA")}
+        stats = {name: broker_replication(port) for name, port in members.items()}
+        masters = [s for s in stats.values() if s and s["role"] == "master"]
+        if len(masters) != 1 or not all(stats.values()):
+            return None
+        master = masters[0]
+        replicas = [r for r in master.get("replicas") or () if r["in_sync"]]
+        return master if len(replicas) == 1 and master["ack_replicas"] == 1 and master["writable"] else None
+
+    for group in ("BROKER_A", "BROKER_B"):
+        master = wait_until(lambda group=group: in_sync(group), f"group {group} has a replica in sync",
+                            REPLICA_DEADLINE_S, cluster.logs)  # fmt: skip
+        assert master["epoch"] >= 1
 
 
 def test_orders_from_the_host_and_an_app_container_are_consumed_once(cluster, shop, placed) -> None:

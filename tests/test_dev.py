@@ -14,9 +14,14 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 import qmq
 from qmq.client.blocking import Client
 from qmq.db.engine import create_engine
+from qmq.net.client import BlockingConnection
+from qmq.net.tls import ClientTLS
+from qmq.protocol.codes import RequestCode
 from tests.support.broker import ROOT
 from tests.support.databases import fresh_database
 from tests.support.outbox import consume, outbox_rows
@@ -61,13 +66,13 @@ def alive(pid: int) -> bool:
     return subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0
 
 
-def qmq_cli(*args: str, meta: str) -> subprocess.CompletedProcess:
+def qmq_cli(*args: str, meta: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "qmq", *args, "--meta", meta],
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, **DEV_ENV},
+        env={**os.environ, **DEV_ENV, **(env or {})},
     )
 
 
@@ -146,3 +151,33 @@ def test_a_broker_killed_under_qmq_dev_comes_back_and_the_relay_ships_what_was_c
         engine.dispose()
         os.killpg(dev.pid, signal.SIGINT)
         assert dev.wait(30) == 0
+
+
+def test_the_dev_cluster_with_tls_serves_over_tls_only(processes, tmp_path) -> None:
+    dev, text = start_dev(processes, tmp_path, "--tls", "--no-console")
+    meta = re.search(r"QMQ_META=(\S+)", text).group(1)
+    broker = re.search(r"broker group +\S+ +(\S+)", text).group(1)
+    ca = re.search(r"QMQ_TLS_CA=(\S+)", text).group(1)
+    delay = re.search(r"delay server +(\S+)", text).group(1)
+    tls_env = {"QMQ_TLS_CA": ca}
+
+    # A send (one through the delay server, which forwards it to the broker over TLS) and a consume.
+    sent = qmq_cli("send", "dev.tls", '"now"', "--json", meta=meta, env=tls_env)
+    assert sent.returncode == 0, sent.stderr
+    delayed = qmq_cli("send", "dev.tls", '"later"', "--json", "--delay", "1", meta=meta, env=tls_env)
+    assert delayed.returncode == 0, delayed.stderr
+    tail = qmq_cli("tail", "dev.tls", "--group", "me", "--from", "earliest", "--count", "2", meta=meta, env=tls_env)
+    assert tail.returncode == 0, tail.stderr
+    got = {json.loads(line)["id"]: json.loads(line)["body"] for line in tail.stdout.splitlines()}
+    assert got == {sent.stdout.strip(): "now", delayed.stdout.strip(): "later"}
+
+    for address in (meta, broker, delay):  # TLS with the session's CA: served; plain TCP: refused
+        host, port = address.rsplit(":", 1)
+        with BlockingConnection.open(host, int(port), token="", tls=ClientTLS(ca).context()) as conn:
+            assert conn.request(RequestCode.PING, {"n": 1}) == {"n": 1}
+        with pytest.raises(OSError):  # ConnectionError or TimeoutError: the server never answers in plain
+            BlockingConnection.open(host, int(port), token="", timeout=5)
+    plain = qmq_cli("send", "dev.tls", '"plain"', "--json", meta=meta)
+    assert plain.returncode != 0
+    os.killpg(dev.pid, signal.SIGINT)
+    assert dev.wait(30) == 0

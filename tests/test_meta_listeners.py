@@ -44,6 +44,25 @@ def test_views_swap_addresses_for_the_outside_and_drop_the_extra_fields() -> Non
     listing = {"servers": [{"address": "b:1", "external_address": "b:1", "kind": "broker"}], "groups": []}
     assert external_view(RequestCode.META_LIST, listing)["servers"] == [{"address": "b:1", "kind": "broker"}]
     assert external_view(RequestCode.META_HEARTBEAT, {"read_only": False}) == {"read_only": False}
+    listing = {
+        "servers": [
+            {"address": "a:1", "external_address": "127.0.0.1:1", "kind": "broker"},
+            {"address": "a2:1", "external_address": "127.0.0.1:2", "kind": "broker"},
+        ],
+        "replication": [
+            {"group": "a", "epoch": 1, "master": "a:1", "in_sync": ["a2:1"], "members": [{"address": "a2:1"}]}
+        ],
+    }
+    assert external_view(RequestCode.META_LIST, listing)["replication"] == [
+        {
+            "group": "a",
+            "epoch": 1,
+            "master": "127.0.0.1:1",
+            "in_sync": ["127.0.0.1:2"],
+            "members": [{"address": "127.0.0.1:2"}],
+        }
+    ]
+    assert internal_view(RequestCode.META_LIST, listing)["replication"] == listing["replication"]
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from tests.support.tls import Certs, make_certs
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 DEADLINE_S = 20.0
+OPENS = 200  # TLS connections opened one after the other (about a second)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,16 @@ def test_tls_clients_blocking_and_asyncio(processes, tmp_path, certs):
             await conn.close()
 
     assert asyncio.run(asyncio_client()) == {"a": 1}
+
+
+def test_many_tls_connections_each_open_at_once(processes, tmp_path, certs):
+    """The blocking client's handshake over TLS never hangs: it used to, in about one open in 25,
+    when its first write ran alongside the reader thread's first TLS read."""
+    broker = tls_broker(processes, tmp_path, certs)
+    tls = ClientTLS(certs.ca).context()
+    for _ in range(OPENS):
+        with BlockingConnection.open(HOST, broker.port, tls=tls, timeout=DEADLINE_S / 4) as conn:
+            assert conn.request(RequestCode.PING, {"n": 1}, timeout=DEADLINE_S / 4) == {"n": 1}
 
 
 def test_a_plain_client_is_refused_by_a_tls_server_with_a_clear_error(processes, tmp_path, certs):

@@ -148,6 +148,9 @@ class Roles:
             return
         self.failover_after_s = float(reply.get("failover_after_s", DEFAULT_FAILOVER_AFTER_S))
         self.members = int(reply.get("members", 0))
+        if self.followers is not None and isinstance(reply.get("peers"), list):
+            for address in self.followers.drop_forgotten(set(reply["peers"])):
+                log.warning("broker group %s: replica %s was forgotten by the meta server", self.group, address)
         epoch, master = int(reply["epoch"]), str(reply["master"])
         self._want(Wish(Role.MASTER if master == self.address else Role.REPLICA, epoch, master))
 

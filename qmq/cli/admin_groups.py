@@ -44,7 +44,8 @@ def reset(subject, group, meta, brokers, delay_servers, token, as_json, log_leve
 
 @click.group("group")
 def group() -> None:
-    """Consumer groups: create one before its consumers run, delete one no longer used."""
+    """Consumer groups: create one before its consumers run, delete one no longer used; and the
+    members of a replicated broker group (show, forget)."""
 
 
 @group.command("create")

@@ -13,6 +13,7 @@ import click
 from qmq.cli.options import metrics_port_option, tuning
 from qmq.db.url import DB_URL_ENV
 from qmq.dev.cluster import BROKER_PORT, CONSOLE_PORT, DELAY_PORT, META_PORT, RESTART_AFTER_S, DevCluster
+from qmq.net.tls import TLS_CA_ENV
 
 WATCH_INTERVAL_S = 1.0
 PORT = click.IntRange(0, 65535)
@@ -29,6 +30,11 @@ RESTART_HELP = (
     f"seconds before a server that exited is started again (doubling if it keeps dying) [default: {RESTART_AFTER_S:g}]"
 )
 
+TLS_HELP = (
+    "every server speaks TLS only, with a certificate made for the session (openssl); "
+    f"the banner prints the CA file clients need ({TLS_CA_ENV})"
+)
+
 
 @click.command("dev")
 @click.option("--data-dir", default="qmq-dev", show_default=True, type=click.Path(file_okay=False), help=DATA_DIR_HELP)
@@ -40,6 +46,7 @@ RESTART_HELP = (
 @click.option("--no-console", is_flag=True, help="do not start the web console")
 @metrics_port_option(METRICS_HELP)
 @click.option("--restart-after", type=click.FloatRange(min=0), default=RESTART_AFTER_S, help=RESTART_HELP)
+@click.option("--tls", is_flag=True, help=TLS_HELP)
 def dev(
     data_dir: str,
     db_url: str | None,
@@ -50,8 +57,10 @@ def dev(
     no_console: bool,
     metrics_port: int | None,
     restart_after: float,
+    tls: bool,
 ) -> None:
-    """Run a meta server, a broker group, the delay server, a relay and the web console until Ctrl-C."""
+    """Run a meta server, a broker group, the delay server, a relay and the web console until Ctrl-C
+    (with --tls, all of them over TLS)."""
     db_url = db_url or os.environ.get(DB_URL_ENV) or None
     cluster = DevCluster(
         data_dir,
@@ -63,13 +72,14 @@ def dev(
         console_port=None if no_console else console_port,
         metrics_port=metrics_port,
         restart_after_s=restart_after,
+        tls=tls,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         cluster.start()
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # CertificateError included
         raise click.ClickException(str(exc)) from None
     click.echo(cluster.describe(), err=False)
     try:

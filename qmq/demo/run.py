@@ -35,6 +35,7 @@ from qmq.db.engine import create_engine
 from qmq.demo.shop import PaymentDeclined, emails, invoices, metadata, order_placer, timeouts
 from qmq.dev.cluster import DevCluster
 from qmq.net.client import BlockingConnection
+from qmq.net.tls import TLS_CA_ENV, ClientTLS, configure_client
 from qmq.protocol.codes import RequestCode
 
 PG_ADMIN_ENV = "QMQ_PG_ADMIN_URL"
@@ -104,8 +105,9 @@ class Progress:
         self.last = 0.0
 
 
-def run_demo(order_count: int = 200, keep: bool = False) -> int:
-    """Run the demo; 0 when the reconciliation accounts for every message as expected."""
+def run_demo(order_count: int = 200, keep: bool = False, tls: bool = False) -> int:
+    """Run the demo (with `tls`, on a cluster that speaks TLS only); 0 when the reconciliation
+    accounts for every message as expected."""
     progress = Progress()
     started = datetime.now(UTC) - timedelta(seconds=5)
     work = Path(tempfile.mkdtemp(prefix="qmq-demo-"))
@@ -122,15 +124,19 @@ def run_demo(order_count: int = 200, keep: bool = False) -> int:
         )
         return 2
     db_url = admin.rsplit("/", 1)[0] + "/" + db_name
-    cluster = DevCluster(work / "cluster", outbox_url=db_url, meta_port=0, broker_port=0, delay_port=0)
+    cluster = DevCluster(work / "cluster", outbox_url=db_url, meta_port=0, broker_port=0, delay_port=0, tls=tls)
     workers: list[subprocess.Popen] = []
     engine = None
     try:
-        progress.step(f"starting the embedded cluster (meta server, broker, delay server, relay) in {work}")
+        over = " over TLS" if tls else ""
+        progress.step(f"starting the embedded cluster (meta server, broker, delay server, relay){over} in {work}")
         cluster.start()
         engine = create_engine(db_url, pool_size=8)
         metadata.create_all(engine)
         env = {**os.environ, "QMQ_META": cluster.meta, "QMQ_DB_URL": db_url}
+        if cluster.tls_ca is not None:  # this process's clients, and the workers' and the crashing shop's
+            configure_client(ClientTLS(cluster.tls_ca))
+            env[TLS_CA_ENV] = cluster.tls_ca
         for n in range(WORKERS):
             with open(work / f"worker-{n}.log", "ab") as log:
                 workers.append(

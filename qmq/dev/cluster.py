@@ -4,10 +4,13 @@ of this one, on one data directory.
 
 Defaults suit a laptop: SQLite for the meta server and the outbox unless a URL is given (give your
 application's own database, so that the relay ships what your app commits while a broker is down),
-the ports of DESIGN.md (or free ones). Promises: `start` returns once every server accepts
-connections (or raises, naming the one that did not start and its log); a server that exits later
-is reported by `supervise` and started again after a pause, the others running on meanwhile; `stop`
-ends them all, SIGTERM first then SIGKILL, and is safe to call twice.
+the ports of DESIGN.md (or free ones). With `tls`, every server speaks TLS only, with a certificate
+made for the session (qmq/dev/certs.py): clients trust `tls_ca` (`QMQ_TLS_CA`).
+
+Promises: `start` returns once every server accepts connections (or raises, naming the one that did
+not start and its log); a server that exits later is reported by `supervise` and started again after
+a pause, the others running on meanwhile; `stop` ends them all, SIGTERM first then SIGKILL, and is
+safe to call twice.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import sqlalchemy as sa
 
 from qmq.db.migrate import upgrade
 from qmq.db.url import normalize_url
+from qmq.dev.certs import SessionCerts, session_certs
+from qmq.net.tls import TLS_CA_ENV
 
 HOST = "127.0.0.1"
 META_PORT = 20880
@@ -80,7 +85,9 @@ class DevCluster:
     console_port: int | None = None  # the web console's (qmq console); None: no console; 0: a free port
     relay_poll_s: float = 0.5
     restart_after_s: float = RESTART_AFTER_S
+    tls: bool = False  # every server TLS only, with a certificate made at start (clients: tls_ca)
     servers: list[Server] = field(default_factory=list)
+    certs: SessionCerts | None = field(default=None, init=False)
     console_missing: bool = field(default=False, init=False)  # asked for, but its extra is not installed
 
     def __post_init__(self) -> None:
@@ -109,6 +116,11 @@ class DevCluster:
         return f"{HOST}:{self.delay_port}"
 
     @property
+    def tls_ca(self) -> str | None:
+        """The CA file clients must trust (QMQ_TLS_CA) when the cluster runs with TLS."""
+        return self.certs.ca if self.certs is not None else None
+
+    @property
     def console(self) -> str | None:
         """The web console's URL, when the cluster runs one."""
         return f"http://{HOST}:{self.console_port}" if self.console_port is not None else None
@@ -121,6 +133,8 @@ class DevCluster:
             if port is not None and _listening(port):
                 raise RuntimeError(f"port {port} is taken: stop what uses it, or pick other ports")
         upgrade(self.outbox_url)
+        if self.tls:
+            self.certs = session_certs(self.data_dir / "tls")
         self.servers = [
             Server(
                 "meta",
@@ -169,6 +183,10 @@ class DevCluster:
             for offset, server in enumerate(self.servers):
                 server.metrics_port = (self.metrics_port + offset) if self.metrics_port else free_port()
                 server.args += ["--metrics-port", str(server.metrics_port)]
+        if self.certs is not None:
+            for server in self.servers:
+                if server.name != "relay":  # a client only
+                    server.args += ["--tls-cert", self.certs.cert, "--tls-key", self.certs.key]
         if self.console_port is not None:  # reads the others, so it starts after them (before the relay)
             self.servers.insert(
                 3,
@@ -189,6 +207,8 @@ class DevCluster:
 
     def _start(self, server: Server) -> None:
         env = {**os.environ, "QMQ_TOKEN": os.environ.get("QMQ_TOKEN", "")}
+        if self.certs is not None:  # the servers are clients of each other too
+            env[TLS_CA_ENV] = self.certs.ca
         with open(server.log_path, "ab") as log:
             server.proc = subprocess.Popen(
                 [sys.executable, "-m", "qmq", *server.args], stdout=log, stderr=log, env=env, start_new_session=True
@@ -268,6 +288,11 @@ class DevCluster:
             "  Your app's outbox must be in that database (qmq dev --db URL of your app's database): messages it",
             "  commits while a broker is down are shipped by this relay when the broker is back.",
         ]
+        if self.certs is not None:
+            lines += [
+                "  TLS           every server speaks TLS only; clients trust the session's CA:",
+                f"                export {TLS_CA_ENV}={self.certs.ca}",
+            ]
         if self.console is not None:
             lines.append(f"  web console   {self.console}")
         elif self.console_missing:

@@ -10,6 +10,8 @@ liveness loop.
   decides at a time, so several meta servers on one database never promote two masters.
 - A master that reports a log shorter than an in-sync replica's (it came back with a wiped disk) is
   replaced the same way at once: it would otherwise hand out a log that lost acknowledged messages.
+- A member gone for good (its machine lost) is forgotten by hand (`forget_member`, `qmq admin group
+  forget`): never the master, and not one that reported lately unless forced.
 """
 
 from __future__ import annotations
@@ -44,9 +46,27 @@ class Assignment:
     epoch: int
     master: str
     members: int = 0  # the other servers of the group that ever reported
+    peers: tuple[str, ...] = ()  # their addresses (a master drops the replicas no longer listed)
 
     def role_of(self, address: str) -> str:
         return "master" if address == self.master else "replica"
+
+
+class ForgetRefused(Exception):
+    """A member may not be forgotten: unknown, the master, or alive (without force). The message
+    says why and what to do instead."""
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """A member removed from its group: what is left of the group."""
+
+    group: str
+    address: str
+    epoch: int
+    master: str
+    replicas: tuple[str, ...]  # the members left besides the master
+    silent_s: float  # how long the member had not reported
 
 
 @dataclass(frozen=True)
@@ -117,7 +137,8 @@ class Election:
                 )
             )
             log.info("group %s: %s is master, epoch 1 (first to register)", group, address)
-            return Assignment(group, 1, address, self._members(conn, group, address))
+            peers = self._peers(conn, group, address)
+            return Assignment(group, 1, address, len(peers), peers)
         if row.master == address and role == "master" and epoch == row.epoch and in_sync is not None:
             listed = ",".join(sorted(in_sync))
             if listed != row.in_sync:
@@ -126,19 +147,68 @@ class Election:
                     .where(schema.replication.c.group_name == group, schema.replication.c.epoch == row.epoch)
                     .values(in_sync=listed, updated_at=now)
                 )
-        return Assignment(group, row.epoch, row.master, self._members(conn, group, address))
+        peers = self._peers(conn, group, address)
+        return Assignment(group, row.epoch, row.master, len(peers), peers)
 
-    def _members(self, conn: Connection, group: str, address: str) -> int:
-        return conn.execute(
-            sa.select(sa.func.count())
-            .select_from(schema.replica)
+    def _peers(self, conn: Connection, group: str, address: str) -> tuple[str, ...]:
+        """The other members of `group` (every server that reported and was not forgotten)."""
+        rows = conn.execute(
+            sa.select(schema.replica.c.address)
             .where(schema.replica.c.group_name == group, schema.replica.c.address != address)
-        ).scalar_one()
+            .order_by(schema.replica.c.address)
+        )
+        return tuple(r.address for r in rows)
 
     def forget(self, address: str) -> None:
         """A server left cleanly: it no longer counts as a member of its group."""
         with self.engine.begin() as conn:
             conn.execute(schema.replica.delete().where(schema.replica.c.address == address))
+
+    def forget_member(self, group: str, address: str, *, force: bool = False) -> Forgotten:
+        """Remove a member gone for good from `group`: it no longer counts towards the group's
+        replicas (nor the default acknowledgement rule) and can never be promoted. Refused for the
+        master, and for a member that reported within `failover_after` unless `force` (a live
+        member comes back at its next heartbeat anyway). Raises ForgetRefused."""
+        now = self.clock()
+        with self.engine.begin() as conn:
+            row = conn.execute(
+                sa.select(schema.replication).where(schema.replication.c.group_name == group).with_for_update()
+            ).first()
+            if row is None:
+                raise ForgetRefused(f"group {group!r} is not a replicated group the meta server knows")
+            member = conn.execute(sa.select(schema.replica).where(schema.replica.c.address == address)).first()
+            if member is None or member.group_name != group:
+                members = ", ".join((row.master, *self._peers(conn, group, row.master))) or "none"
+                raise ForgetRefused(f"{address} is not a member of group {group} (members: {members})")
+            if row.master == address:
+                raise ForgetRefused(
+                    f"{address} is the master of group {group} (epoch {row.epoch}): a master is never forgotten; "
+                    f"switch it first (qmq admin failover --group {group}) or let the failover replace it"
+                )
+            silent = now - as_utc(member.reported_at)
+            if silent <= self.failover_after and not force:
+                raise ForgetRefused(
+                    f"{address} reported {silent.total_seconds():.1f} s ago (within --failover-after "
+                    f"{self.failover_after.total_seconds():g} s): it looks alive; stop it first, or give --force"
+                )
+            conn.execute(schema.replica.delete().where(schema.replica.c.address == address))
+            in_sync = [a for a in filter(None, row.in_sync.split(",")) if a != address]
+            conn.execute(
+                schema.replication.update()
+                .where(schema.replication.c.group_name == group)
+                .values(in_sync=",".join(in_sync), updated_at=now)
+            )
+            replicas = self._peers(conn, group, row.master)
+        log.warning(
+            "group %s: member %s forgotten (silent %.1f s); master %s, epoch %d, replicas left: %s",
+            group,
+            address,
+            silent.total_seconds(),
+            row.master,
+            row.epoch,
+            ", ".join(replicas) or "none",
+        )
+        return Forgotten(group, address, row.epoch, row.master, replicas, silent.total_seconds())
 
     # -- failover ---------------------------------------------------------------------------------
 
@@ -177,15 +247,29 @@ class Election:
             return self._promote(conn, now, row, "manual switch", only=to)
 
     def listing(self) -> list[dict[str, Any]]:
-        """Every replicated group: epoch, master and the replicas last reported in sync (META_LIST)."""
+        """Every replicated group: epoch, master, the replicas last reported in sync, and each
+        member's last report: role, epoch, log end and how long ago (META_LIST)."""
+        now = self.clock()
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(schema.replication).order_by(schema.replication.c.group_name)).all()
+            reports = conn.execute(sa.select(schema.replica).order_by(schema.replica.c.address)).all()
         return [
             {
                 "group": r.group_name,
                 "epoch": r.epoch,
                 "master": r.master,
                 "in_sync": list(filter(None, r.in_sync.split(","))),
+                "members": [
+                    {
+                        "address": m.address,
+                        "role": m.role,
+                        "epoch": m.epoch,
+                        "log_end": m.log_end,
+                        "reported_s_ago": round((now - as_utc(m.reported_at)).total_seconds(), 3),
+                    }
+                    for m in reports
+                    if m.group_name == r.group_name
+                ],
             }
             for r in rows
         ]

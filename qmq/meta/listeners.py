@@ -30,9 +30,22 @@ def _view(code: int, reply: dict[str, Any] | None, external: bool) -> dict[str, 
     view = dict(reply)
     if "groups" in view:
         view["groups"] = [_group(g, external) for g in view["groups"]]
+    if external and view.get("replication"):
+        outside = {s["address"]: s["external_address"] for s in view.get("servers", ()) if s.get("external_address")}
+        view["replication"] = [_replicated(g, outside) for g in view["replication"]]
     for key in ("delay_servers", "servers"):
         if key in view:
             view[key] = [_server(s, external) for s in view[key]]
+    return view
+
+
+def _replicated(group: dict[str, Any], outside: dict[str, str]) -> dict[str, Any]:
+    """A replicated group of META_LIST with its members' outside addresses (`qmq admin group show`
+    from outside the servers' network)."""
+    view = dict(group)
+    view["master"] = outside.get(group["master"], group["master"])
+    view["in_sync"] = [outside.get(a, a) for a in group.get("in_sync", ())]
+    view["members"] = [{**m, "address": outside.get(m["address"], m["address"])} for m in group.get("members", ())]
     return view
 
 

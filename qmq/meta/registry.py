@@ -220,6 +220,21 @@ class Registry:
             )
             return result.rowcount > 0
 
+    def internal_address(self, address: str) -> str:
+        """The server's own address for `address`, which may be the one it advertises for outside
+        clients (`--advertise-external`); `address` itself when no server advertises it."""
+        with self.engine.connect() as conn:
+            found = conn.execute(
+                sa.select(schema.server.c.address).where(schema.server.c.external_address == address)
+            ).first()
+        return found.address if found is not None else address
+
+    def remove(self, address: str) -> bool:
+        """A server gone for good (`qmq admin group forget`): no longer listed at all. Its next
+        heartbeat, should it ever come back, registers it again. Returns False for an unknown one."""
+        with self.engine.begin() as conn:
+            return conn.execute(schema.server.delete().where(schema.server.c.address == address)).rowcount > 0
+
     def set_read_only(self, group: str, read_only: bool) -> bool:
         """Set a group's read-only flag; returns whether it changed. Raises UnknownGroup."""
         now = self.clock()

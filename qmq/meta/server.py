@@ -23,7 +23,7 @@ from qmq.db.engine import create_engine, safe_url
 from qmq.db.migrate import upgrade
 from qmq.meta import ordering
 from qmq.meta.credentials import CredentialStore, LocalAuthenticator, credential_handlers
-from qmq.meta.election import FAILOVER_AFTER_S, Election
+from qmq.meta.election import FAILOVER_AFTER_S, Election, ForgetRefused
 from qmq.meta.listeners import external_view, internal_view, viewed
 from qmq.meta.registry import (
     HEARTBEAT_INTERVAL_S,
@@ -101,6 +101,7 @@ class MetaService(Service):
             RequestCode.META_SET_READ_ONLY: self._set_read_only,
             RequestCode.META_LIST: self._list,
             RequestCode.REPL_SWITCH: self._switch,
+            RequestCode.REPL_FORGET: self._forget,
         }
 
     # -- requests -------------------------------------------------------------------------------
@@ -139,6 +140,7 @@ class MetaService(Service):
             "epoch": assigned.epoch,
             "master": assigned.master,
             "members": assigned.members,
+            "peers": list(assigned.peers),
             "failover_after_s": failover_after_s,
             "heartbeat_interval_s": min(HEARTBEAT_INTERVAL_S, failover_after_s / HEARTBEATS_PER_FAILOVER),
         }
@@ -185,6 +187,27 @@ class MetaService(Service):
             raise bad(f"group {group!r}: no live in-sync replica{f' {to}' if to else ''} to switch to")
         log.warning("group %s: manual switch to %s, epoch %d", group, switched.master, switched.epoch)
         return {"group": group, "epoch": switched.epoch, "master": switched.master}
+
+    async def _forget(self, body: dict[str, Any]) -> dict[str, Any]:
+        """REPL_FORGET (`qmq admin group forget`): remove a broker group's member gone for good."""
+        group = validate_group(field(body, "group", str))
+        address = await self._db(self.registry.internal_address, _address(body.get("address")))
+        force = field(body, "force", bool, False)
+        try:
+            forgotten = await self._db(self.election.forget_member, group, address, force=force)
+        except ForgetRefused as exc:
+            raise bad(str(exc)) from None
+        await self._db(self.registry.remove, address)
+        if self._live_servers is not None:
+            self._live_servers.discard(address)
+        return {
+            "group": group,
+            "forgotten": address,
+            "silent_s": round(forgotten.silent_s, 3),
+            "epoch": forgotten.epoch,
+            "master": forgotten.master,
+            "replicas": list(forgotten.replicas),
+        }
 
     async def _list(self, body: dict[str, Any]) -> dict[str, Any]:
         snapshot = await self._db(self.registry.snapshot)

@@ -72,10 +72,12 @@ class BlockingConnection(Opener["BlockingConnection"]):
                 raise
         sock.settimeout(None)  # the reader thread blocks in recv(); waits are bounded per request
         self = cls(sock, side)
-        self._reader.start()
         try:
+            # Written before the reader thread starts: with TLS, a write alongside the reader's first
+            # SSL_read (which takes the TLS 1.3 session tickets) could hang (one open in ~25).
             request_id, future = self._submit(handshake=True)
             assert future is not None
+            self._reader.start()
             self.server_info = self._wait(request_id, future, timeout) or {}
         except BaseException:
             self.close()

@@ -47,6 +47,9 @@ class RequestCode(IntEnum):
         122  # to a master: {"to"?, "timeout_ms"} -> {"replica", "end", "epoch"}: sends stop, a replica catches up
     )
     REPL_SWITCH = 123  # to the meta server: {"group", "to"?} -> {"group", "epoch", "master"}: a manual failover
+    # to the meta server: {"group", "address", "force"} -> {"group", "forgotten", "epoch", "master", "replicas"}:
+    # a member gone for good leaves its group (`qmq admin group forget`)
+    REPL_FORGET = 124
 
     # Ordered subjects (docs/ordering.md); an ordered pull is a BROKER_PULL with "queues".
     BROKER_QUEUE_LOCK = 130  # {"subject", "group", "consumer", "queues", "release"} -> {"held", "members", ...}

@@ -164,6 +164,19 @@ class Followers:
         if self._on_append in self.store.append_listeners:
             self.store.append_listeners.remove(self._on_append)
 
+    def drop_forgotten(self, members: set[str], now: float | None = None) -> list[str]:
+        """Drop the replicas that are not among the group's `members` (the meta server forgot them:
+        `qmq admin group forget`) and have not fetched within `max_lag_s`: they no longer count for
+        the default acknowledgement rule nor show in the stats. One that still fetches is kept (it
+        registers again at its next heartbeat). Returns the addresses dropped."""
+        now = time.monotonic() if now is None else now
+        gone = [a for a, r in self.replicas.items() if a not in members and now - r.fetched_at > self.max_lag_s]
+        for address in gone:
+            del self.replicas[address]
+        if gone:
+            self._settle()
+        return gone
+
     # ---- requests ---------------------------------------------------------------------------------
 
     async def fetch(self, body: dict[str, Any]) -> dict[str, Any]:

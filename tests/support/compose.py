@@ -49,8 +49,18 @@ TEST_TIMEOUT_S = LOCK_TIMEOUT_S + BASE_TIMEOUT_S + BUILD_TIMEOUT_S + UP_TIMEOUT_
 POLL_S = 0.5  # polling another process's state (a container's health): no event to await from here
 
 # Host ports the cluster publishes, as docker-compose.yml reads them.
-HOST_PORT_VARIABLES = ("META", "BROKER_A", "BROKER_B", "DELAY", "POSTGRES", "REDIS")
-LONG_RUNNING = ("postgres", "redis", "meta", "broker-a", "broker-b", "delay", "relay", "worker")
+HOST_PORT_VARIABLES = (
+    "META",
+    "BROKER_A",
+    "BROKER_A_REPLICA",
+    "BROKER_B",
+    "BROKER_B_REPLICA",
+    "DELAY",
+    "POSTGRES",
+    "REDIS",
+)
+BROKERS = ("broker-a", "broker-a-replica", "broker-b", "broker-b-replica")
+LONG_RUNNING = ("postgres", "redis", "meta", *BROKERS, "delay", "relay", "worker")
 
 
 def fail(reason: str) -> None:
