@@ -18,7 +18,10 @@ from qmq.broker.journal import Create, Delete, GroupAction, Redriven, Schedule
 from qmq.broker.lookup import MessageLife
 from qmq.broker.state import BrokerState
 from qmq.broker.system_subjects import wrap
-from qmq.client.admin import ADMIN_TIMEOUT_S, AdminCore, Answer
+from qmq.client.admin import ADMIN_OPERATIONS, ADMIN_TIMEOUT_S, AdminCore, Answer
+from qmq.client.aio import AsyncAdmin, AsyncClient
+from qmq.client.blocking import Admin, Client
+from qmq.client.core import CLIENT_OPERATIONS, ClientCore
 from qmq.client.errors import ClientError, MetaUnreachable
 from qmq.client.steps import Call
 from qmq.protocol.codes import RequestCode
@@ -217,3 +220,15 @@ def test_servers_given_directly_and_a_meta_server_that_does_not_answer() -> None
     assert [(c.address, c.body["force"]) for c in steps[0].calls] == [("b:1", True), ("b:2", True)]
     with pytest.raises(MetaUnreachable, match="cannot ask the meta server at m:1"):
         drive(Core().stats(), ConnectionRefusedError("refused"))
+
+
+def test_both_drivers_bind_every_operation() -> None:
+    """An operation added to AdminCore but not to ADMIN_OPERATIONS would be a generator, not a call."""
+    public = {name for name in vars(AdminCore) if not name.startswith("_") and callable(vars(AdminCore)[name])}
+    assert public == set(ADMIN_OPERATIONS)
+    for name in ADMIN_OPERATIONS:
+        assert getattr(Admin, name).__wrapped__ is getattr(AdminCore, name)
+        assert getattr(AsyncAdmin, name).__wrapped__ is getattr(AdminCore, name)
+    for name in CLIENT_OPERATIONS:
+        assert getattr(Client, name).__wrapped__ is getattr(ClientCore, name)
+        assert getattr(AsyncClient, name).__wrapped__ is getattr(ClientCore, name)

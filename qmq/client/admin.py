@@ -117,6 +117,26 @@ def describe_error(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+# The operations of AdminCore, which each driver binds as its methods (`qmq.client.steps.bound`).
+ADMIN_OPERATIONS = (
+    "cluster",
+    "stats",
+    "delay_stats",
+    "consumers",
+    "dead_list",
+    "redrive",
+    "purge",
+    "reset",
+    "group_create",
+    "group_delete",
+    "lookup",
+    "failover",
+    "credential_create",
+    "credential_list",
+    "credential_revoke",
+)
+
+
 class AdminCore:
     """The administration operations, as loops of steps over the client core's settings."""
 

@@ -19,13 +19,13 @@ import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from qmq.client.admin import AdminCore
+from qmq.client.admin import ADMIN_OPERATIONS, AdminCore
 from qmq.client.consuming import SubscriptionCore
-from qmq.client.core import ClientCore
+from qmq.client.core import CLIENT_OPERATIONS, ClientCore
 from qmq.client.deliveries import DEFAULT_PULL_MAX, DEFAULT_PULL_WAIT_S, Delivery
 from qmq.client.errors import ClientError
 from qmq.client.pool import AsyncConnectionPool
-from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Step, Steps, Subscribe, WaitAll, WaitAny
+from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Step, Steps, Subscribe, WaitAll, WaitAny, bound
 
 __all__ = ["AsyncAdmin", "AsyncClient", "AsyncSubscription"]
 
@@ -63,15 +63,9 @@ async def request(pool: AsyncConnectionPool, call: Call) -> Any:
         return exc
 
 
+@bound(ClientCore, CLIENT_OPERATIONS, awaiting)
 class AsyncClient(ClientCore):
     """A producer and the factory of subscriptions, over one pool of connections."""
-
-    route = awaiting(ClientCore.route)
-    send = awaiting(ClientCore.send)
-    send_one = awaiting(ClientCore.send_one)
-    cancel = awaiting(ClientCore.cancel)
-    subscribe = awaiting(ClientCore.subscribe)
-    lock_queues = awaiting(ClientCore.lock_queues)
 
     async def close(self) -> None:
         """Close every subscription (flushing its acks) and every connection."""
@@ -110,24 +104,9 @@ class AsyncClient(ClientCore):
             return await request(self._pool, call)
 
 
+@bound(AdminCore, ADMIN_OPERATIONS, awaiting)
 class AsyncAdmin(AdminCore, AsyncClient):
     """The administration calls (`qmq.client.admin`) for code on an event loop."""
-
-    cluster = awaiting(AdminCore.cluster)
-    stats = awaiting(AdminCore.stats)
-    delay_stats = awaiting(AdminCore.delay_stats)
-    consumers = awaiting(AdminCore.consumers)
-    dead_list = awaiting(AdminCore.dead_list)
-    redrive = awaiting(AdminCore.redrive)
-    purge = awaiting(AdminCore.purge)
-    reset = awaiting(AdminCore.reset)
-    group_create = awaiting(AdminCore.group_create)
-    group_delete = awaiting(AdminCore.group_delete)
-    lookup = awaiting(AdminCore.lookup)
-    failover = awaiting(AdminCore.failover)
-    credential_create = awaiting(AdminCore.credential_create)
-    credential_list = awaiting(AdminCore.credential_list)
-    credential_revoke = awaiting(AdminCore.credential_revoke)
 
 
 class AsyncSubscription(SubscriptionCore):

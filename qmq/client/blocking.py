@@ -26,13 +26,13 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from qmq.client.admin import AdminCore
+from qmq.client.admin import ADMIN_OPERATIONS, AdminCore
 from qmq.client.consuming import SubscriptionCore
-from qmq.client.core import ClientCore
+from qmq.client.core import CLIENT_OPERATIONS, ClientCore
 from qmq.client.deliveries import DEFAULT_PULL_MAX, DEFAULT_PULL_WAIT_S, Delivery, SubscribeOptions
 from qmq.client.errors import ClientError
 from qmq.client.pool import ConnectionPool
-from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Step, Steps, Subscribe, WaitAll, WaitAny
+from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Step, Steps, Subscribe, WaitAll, WaitAny, bound
 
 __all__ = ["Admin", "Client", "Subscription"]
 
@@ -72,16 +72,10 @@ def request(pool: ConnectionPool, call: Call) -> Any:
         return exc
 
 
+@bound(ClientCore, CLIENT_OPERATIONS, blocking)
 class Client(ClientCore):
     """A producer and the factory of subscriptions, over one pool of connections. Batches of one
     send go out in parallel, from a pool of threads."""
-
-    route = blocking(ClientCore.route)
-    send = blocking(ClientCore.send)
-    send_one = blocking(ClientCore.send_one)
-    cancel = blocking(ClientCore.cancel)
-    subscribe = blocking(ClientCore.subscribe)
-    lock_queues = blocking(ClientCore.lock_queues)
 
     def close(self) -> None:
         """Close every subscription (flushing its acks), every connection and the send threads."""
@@ -125,25 +119,10 @@ class Client(ClientCore):
             return self._executor
 
 
+@bound(AdminCore, ADMIN_OPERATIONS, blocking)
 class Admin(AdminCore, Client):
     """The administration calls (`qmq admin`, `qmq console`; `qmq.client.admin`) over a client's
     connections: `Admin(meta=...)` or `Admin(brokers=[...])`."""
-
-    cluster = blocking(AdminCore.cluster)
-    stats = blocking(AdminCore.stats)
-    delay_stats = blocking(AdminCore.delay_stats)
-    consumers = blocking(AdminCore.consumers)
-    dead_list = blocking(AdminCore.dead_list)
-    redrive = blocking(AdminCore.redrive)
-    purge = blocking(AdminCore.purge)
-    reset = blocking(AdminCore.reset)
-    group_create = blocking(AdminCore.group_create)
-    group_delete = blocking(AdminCore.group_delete)
-    lookup = blocking(AdminCore.lookup)
-    failover = blocking(AdminCore.failover)
-    credential_create = blocking(AdminCore.credential_create)
-    credential_list = blocking(AdminCore.credential_list)
-    credential_revoke = blocking(AdminCore.credential_revoke)
 
 
 class Subscription(SubscriptionCore):

@@ -21,7 +21,6 @@ from qmq.client.deliveries import (
     default_consumer_id,
 )
 from qmq.client.messages import OutgoingMessage, SendError, SendResult
-from qmq.client.ordering import QueueLocks
 from qmq.client.routes import Route, RouteBook, resolve_delay_servers, resolve_servers
 from qmq.client.sending import (
     DEFAULT_BATCH_SIZE,
@@ -30,7 +29,10 @@ from qmq.client.sending import (
 )
 from qmq.client.steps import Steps, Subscribe
 
-__all__ = ["ClientCore"]
+__all__ = ["CLIENT_OPERATIONS", "ClientCore"]
+
+# The operations of ClientCore, which each driver binds as its methods (`qmq.client.steps.bound`).
+CLIENT_OPERATIONS = ("route", "send", "send_one", "cancel", "subscribe", "lock_queues")
 
 
 class ClientCore:
@@ -105,19 +107,7 @@ class ClientCore:
             raise SendError(result)
         return result
 
-    def lock_queues(
-        self,
-        subject: str,
-        group: str,
-        consumer: str,
-        wanted: Iterable[int],
-        release: Iterable[int] = (),
-        *,
-        leave: bool = False,
-    ) -> Steps[QueueLocks]:
-        """Ask every broker group of the ordered `subject` for the leases of queues `wanted` (renewing
-        those held), give back `release`; see `qmq.client.ordering.lock_queues`."""
-        return ordering.lock_queues(self._routes, subject, group, consumer, wanted, release, leave=leave)
+    lock_queues = ordering.lock_queues  # the loop lives with the rest of ordered consumption
 
     def cancel(self, message_ids: Iterable[str]) -> Steps[dict[str, str]]:
         """Cancel delayed messages by id. Every delay server is asked (the message is on one of

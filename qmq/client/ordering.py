@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from qmq.client.routes import RouteBook
 from qmq.client.steps import Call, Calls, Steps
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.ordering import ORDERED_QUEUES
+
+if TYPE_CHECKING:
+    from qmq.client.core import ClientCore
 
 LOCK_TIMEOUT_S = 5.0  # wait for one BROKER_QUEUE_LOCK reply
 
@@ -48,7 +51,7 @@ class QueueLocks:
 
 
 def lock_queues(
-    routes: RouteBook,
+    client: ClientCore,
     subject: str,
     group: str,
     consumer: str,
@@ -57,10 +60,10 @@ def lock_queues(
     *,
     leave: bool = False,
 ) -> Steps[QueueLocks]:
-    """Ask every broker group of `subject` for the leases of `wanted` (renewing those held) and give
-    back `release`; `leave` says this consumer is going away. Brokers that fail are named in
-    `unanswered` and count for nothing."""
-    route = yield from routes.lookup(subject)
+    """Ask every broker group of the ordered `subject` for the leases of queues `wanted` (renewing
+    those held) and give back `release`; `leave` says this consumer is going away. Brokers that fail
+    are named in `unanswered` and count for nothing. `ClientCore.lock_queues` is this loop."""
+    route = yield from client._routes.lookup(subject)
     body = {
         "subject": subject,
         "group": group,

@@ -11,7 +11,7 @@ The blocking driver (`qmq.client.blocking`) does the steps with threads, the asy
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from qmq.client.deliveries import SubscribeOptions
 
 T = TypeVar("T")
+C = TypeVar("C", bound=type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +98,17 @@ def outcome(handle: Any) -> Any:
     for an empty reply)."""
     error = handle.exception()
     return error if error is not None else (handle.result() or {})
+
+
+def bound(
+    core: type, operations: Sequence[str], run: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[C], C]:
+    """A class decorator for a driver: each of `core`'s `operations` (loops of steps) becomes a
+    method of the driver class that runs the loop with `run` (`blocking.blocking`, `aio.awaiting`)."""
+
+    def decorate(cls: C) -> C:
+        for name in operations:
+            setattr(cls, name, run(getattr(core, name)))
+        return cls
+
+    return decorate
