@@ -79,7 +79,8 @@ class OutgoingMessage:
 
 class ForwardedMessage(OutgoingMessage):
     """A message whose payload is already an envelope (the delay server handing on what a producer
-    sent): sent as it is, with its id."""
+    sent): sent as it is, with its id, marked `once`: a broker that already holds that id for the
+    subject (a delivery fired again after a crash or a failover) does not store it twice."""
 
     def __init__(
         self,
@@ -101,6 +102,7 @@ class ForwardedMessage(OutgoingMessage):
             "payload": self.payload,
             "key": self.key,
             "tags": list(self.tags),
+            "once": True,
         }
         return check_wire(wire, known_subjects)
 

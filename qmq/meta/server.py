@@ -26,6 +26,7 @@ from qmq.meta.credentials import CredentialStore, LocalAuthenticator, credential
 from qmq.meta.election import FAILOVER_AFTER_S, Election
 from qmq.meta.listeners import external_view, internal_view, viewed
 from qmq.meta.registry import (
+    DELAY_GROUP_PREFIX,
     HEARTBEAT_INTERVAL_S,
     UNAVAILABLE_AFTER_S,
     Kind,
@@ -131,7 +132,7 @@ class MetaService(Service):
         in_sync = body.get("in_sync")
         if in_sync is not None and not (isinstance(in_sync, list) and all(isinstance(a, str) for a in in_sync)):
             raise bad("field 'in_sync' must be a list of addresses")
-        key = group if kind == "broker" else f"delay:{group}"
+        key = group if kind == "broker" else f"{DELAY_GROUP_PREFIX}{group}"
         assigned = await self._db(self.election.report, address, key, role, epoch, log_end, in_sync)
         failover_after_s = self.election.failover_after.total_seconds()
         return {
