@@ -50,10 +50,10 @@ def start_member(
 
 
 def replication(broker: Broker) -> dict[str, Any] | None:
-    """The broker's replication stats, or None while it cannot answer."""
+    """The broker's (or delay server's) replication stats, or None while it cannot answer."""
     try:
         with BlockingConnection.open(HOST, broker.port, client_id="repl-test", token="", timeout=2) as conn:
-            return conn.request(RequestCode.BROKER_STATS, {}, timeout=5).get("replication")
+            return conn.request(broker.stats_code, {}, timeout=5).get("replication")
     except (OSError, ConnectionError, TimeoutError):
         return None
 
