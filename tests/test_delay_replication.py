@@ -10,10 +10,13 @@ than the failover time (the window's re-fires are dropped by the broker, qmq/bro
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,7 +25,16 @@ from qmq.client import Client, OutgoingMessage
 from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
 from tests.support.delay import Arrivals, start_delay_server
-from tests.support.replication import HOST, MAX_LAG, meta_in_sync, start_meta, wait_for, wait_in_sync, wait_role
+from tests.support.replication import (
+    HOST,
+    MAX_LAG,
+    meta_in_sync,
+    replication,
+    start_meta,
+    wait_for,
+    wait_in_sync,
+    wait_role,
+)
 
 # The issue asks for 10,000: QMQ_DELAY_REPL_MESSAGES=10000 pytest tests/test_delay_replication.py -s
 MESSAGES = int(os.environ.get("QMQ_DELAY_REPL_MESSAGES", "2000"))
@@ -46,6 +58,16 @@ def start_member(processes, data_dir, meta: str, name: str):
     )
 
 
+def start_group(processes, tmp_path, meta: str):
+    a = start_member(processes, tmp_path / "a", meta, "a")
+    wait_role(a, "master")
+    b = start_member(processes, tmp_path / "b", meta, "b")
+    wait_role(b, "replica")
+    wait_in_sync(a, b)
+    meta_in_sync(meta, "delay:d1", b)
+    return a, b
+
+
 def send_all(client: Client, messages: list[OutgoingMessage]) -> None:
     """Send every message (a failed one again, same id) until each is acknowledged."""
     for start in range(0, len(messages), BATCH):
@@ -58,12 +80,7 @@ def send_all(client: Client, messages: list[OutgoingMessage]) -> None:
 
 def test_master_lost_with_its_disk_while_firing_every_message_fires_once_on_time(processes, tmp_path, meta) -> None:
     start_broker(processes, tmp_path / "broker", "--meta", meta, "--group", "b1")
-    a = start_member(processes, tmp_path / "a", meta, "a")
-    wait_role(a, "master")
-    b = start_member(processes, tmp_path / "b", meta, "b")
-    wait_role(b, "replica")
-    wait_in_sync(a, b)
-    meta_in_sync(meta, "delay:d1", b)
+    a, b = start_group(processes, tmp_path, meta)
 
     consumer = Arrivals(Client(meta=meta), SUBJECT)
     began = time.time()
@@ -118,3 +135,36 @@ def test_master_lost_with_its_disk_while_firing_every_message_fires_once_on_time
         f"lateness p50 {statistics.median(late_s.values()):.3f} s, max {worst:.2f} s; "
         f"due after the failover: max {max(after) if after else float('nan'):.3f} s late"
     )
+
+
+def test_admin_failover_hands_a_delay_group_to_its_replica_which_fires_what_the_master_took(
+    processes, tmp_path, meta
+) -> None:
+    start_broker(processes, tmp_path / "broker", "--meta", meta, "--group", "b1")
+    a, b = start_group(processes, tmp_path, meta)
+    consumer = Arrivals(Client(meta=meta), SUBJECT)
+    due_ms = int(time.time() * 1000) + 8000
+    messages = [OutgoingMessage(SUBJECT, {"n": i}, deliver_at=due_ms + i) for i in range(200)]
+    with Client(meta=meta) as producer:
+        send_all(producer, messages)  # to the master, a
+        done = subprocess.run(
+            [sys.executable, "-m", "qmq", "admin", "failover", "--group", "delay:d1", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "QMQ_META": meta, "QMQ_TOKEN": ""},
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        switched = json.loads(done.stdout)
+        assert (switched["old_master"], switched["master"], switched["epoch"]) == (a.address, b.address, 2)
+        assert replication(b)["role"] == "master"
+        wait_role(a, "replica", epoch=2)
+        later = [OutgoingMessage(SUBJECT, {"n": i}, deliver_at=due_ms + i) for i in range(200, 300)]
+        send_all(producer, later)  # the client follows the route to b
+    ids = {m.id for m in messages + later}
+    missing = consumer.wait_for(ids, 60)
+    time.sleep(1.0)  # a second copy (from a, say) would arrive within this
+    consumer.close()
+    assert not missing, f"{len(missing)} of {len(ids)} never arrived"
+    assert all(len(times) == 1 for times in consumer.received.values())
+    assert b.stats()["fired"] == len(ids)  # the new master fired all; the old one, now a replica, none

@@ -30,12 +30,12 @@ from sqlalchemy.engine import Connection, Engine
 
 from qmq.meta import schema
 from qmq.meta.schema import as_utc
+from qmq.protocol.limits import DELAY_GROUP_PREFIX
 
 HEARTBEAT_INTERVAL_S = 10  # how often brokers and delay servers are asked to heartbeat
 UNAVAILABLE_AFTER_S = 30  # a server silent for longer than this is unavailable
 DEFAULT_ROUTE_GROUPS = 2  # writable broker groups a producer's subject is kept on
 WRITE_ATTEMPTS = 3  # a write that lost a race with another meta server (unique key) is retried
-DELAY_GROUP_PREFIX = "delay:"  # a replicated delay-server group's name in the replication tables
 
 Kind = Literal["broker", "delay"]
 T = TypeVar("T")

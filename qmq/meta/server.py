@@ -26,7 +26,6 @@ from qmq.meta.credentials import CredentialStore, LocalAuthenticator, credential
 from qmq.meta.election import FAILOVER_AFTER_S, Election
 from qmq.meta.listeners import external_view, internal_view, viewed
 from qmq.meta.registry import (
-    DELAY_GROUP_PREFIX,
     HEARTBEAT_INTERVAL_S,
     UNAVAILABLE_AFTER_S,
     Kind,
@@ -38,7 +37,7 @@ from qmq.net.server import Server, run_process, stop_on_signals
 from qmq.net.service import Service
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.fields import bad, choice_field, field
-from qmq.protocol.limits import validate_group, validate_subject
+from qmq.protocol.limits import DELAY_GROUP_PREFIX, validate_group, validate_subject
 from qmq.protocol.ordering import split_queue_subject
 
 log = logging.getLogger("qmq.meta")
@@ -178,8 +177,10 @@ class MetaService(Service):
         return {"group": group, "read_only": read_only, "changed": changed}
 
     async def _switch(self, body: dict[str, Any]) -> dict[str, Any]:
-        """REPL_SWITCH (`qmq admin failover`): make `to` (an in-sync replica) master, next epoch."""
-        group = validate_group(field(body, "group", str))
+        """REPL_SWITCH (`qmq admin failover`): make `to` (an in-sync replica) master, next epoch. A
+        delay-server group is named `delay:NAME`, as META_LIST lists it."""
+        group = field(body, "group", str)
+        validate_group(group.removeprefix(DELAY_GROUP_PREFIX))
         to = _address(body["to"]) if body.get("to") is not None else None
         switched = await self._db(self.election.switch, group, to)
         if switched is None:
