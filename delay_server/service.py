@@ -97,6 +97,7 @@ class DelayService(Service):
         # A replicated group's master waits here until enough replicas hold a write (qmq/replication/roles.py).
         self.acknowledged: Callable[[int], Awaitable[None]] = _nothing_to_wait_for
         self._dispatch_dirty: set[Path] = set()  # dispatch logs written by filing notes
+        self._filing: asyncio.Future[None] | None = None  # a replica's filing thread (catch_up)
         # Sends and cancels of one loop iteration: one append, one durability wait, then filed.
         self.group_commit = GroupCommit(store, on_durable=self._file_durable)
         self._valid_subjects: set[str] = set()
@@ -134,10 +135,23 @@ class DelayService(Service):
     async def catch_up(self, end: int) -> None:
         """A replica's message log is durable up to `end`: file what it holds after what is filed
         (delayed messages into their buckets, cancels, dispatch notes into the dispatch logs). The
-        checkpoint loop makes it durable, as on a master."""
-        if end > self.filed_upto:
-            await asyncio.to_thread(self._file_log, self.filed_upto, end)
-            self.filed_upto = end
+        checkpoint loop makes it durable, as on a master. The filing runs in a thread that neither
+        a checkpoint nor `close` overlaps (`_filing_done`), even when the caller is cancelled."""
+        if end <= self.filed_upto:
+            return
+        await self._filing_done()
+        self._filing = asyncio.ensure_future(asyncio.to_thread(self._file_upto, end))
+        await asyncio.shield(self._filing)
+
+    def _file_upto(self, end: int) -> None:
+        self._file_log(self.filed_upto, end)
+        self.filed_upto = end
+
+    async def _filing_done(self) -> None:
+        """Wait for a replica's filing thread, if one runs (its error is its caller's)."""
+        if self._filing is not None and not self._filing.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._filing)
 
     def _file_log(self, start: int, end: int | None = None) -> tuple[int, int]:
         """File the records of the message log from `start` (to `end`, else its end): (how many,
@@ -201,10 +215,11 @@ class DelayService(Service):
                 await task
         await asyncio.sleep(0)  # the dispatch notes of the last deliveries get appended
         await self.group_commit.close()  # file what requests cut short appended
-        await self.checkpoint()
+        await self.checkpoint()  # after a replica's filing thread, if one runs
 
     async def checkpoint(self) -> None:
         """Fsync what was filed and delivered, and record how far the message log is filed."""
+        await self._filing_done()
         offset = self.filed_upto
         dirty = self._take_dirty() + self.scheduler.take_dirty()
         if offset == self.schedule.checkpoint_offset and not dirty:
