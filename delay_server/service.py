@@ -325,8 +325,10 @@ class DelayService(Service):
         stats["filed_upto"] = self.filed_upto
         # the store's reason (disk full: until space is freed; I/O or fsync error: until restarted),
         # or the schedule log's (until restarted, which files from the message log)
-        reason = self.store.read_only_reason or (
-            f"the schedule log could not be written: {self.failed}" if self.failed is not None else None
+        reason = (
+            self.store.read_only_reason
+            or (f"the schedule log could not be written: {self.failed}" if self.failed is not None else None)
+            or ("its replicated group cannot replicate now (replication.replicas)" if self.read_only else None)
         )
         stats["read_only"] = reason is not None
         stats["read_only_reason"] = reason

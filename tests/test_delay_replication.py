@@ -22,6 +22,7 @@ import time
 import pytest
 
 from qmq.client import Client, OutgoingMessage
+from qmq.protocol.codes import RequestCode
 from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
 from tests.support.delay import Arrivals, start_delay_server
@@ -170,3 +171,31 @@ def test_admin_failover_hands_a_delay_group_to_its_replica_which_fires_what_the_
     assert not missing, f"{len(missing)} of {len(ids)} never arrived"
     assert all(len(times) == 1 for times in consumer.received.values())
     assert b.stats()["fired"] == len(ids)  # the new master fired all; the old one, now a replica, none
+
+
+def test_a_frozen_master_is_deposed_rejoins_as_replica_and_holds_every_message_when_promoted_again(
+    processes, tmp_path, meta
+) -> None:
+    start_broker(processes, tmp_path / "broker", "--meta", meta, "--group", "b1")
+    a, b = start_group(processes, tmp_path, meta)
+    due_ms = int(time.time() * 1000) + 3_600_000  # an hour ahead: pending throughout
+    first = [OutgoingMessage(SUBJECT, {"n": i}, deliver_at=due_ms + i) for i in range(200)]
+    later = [OutgoingMessage(SUBJECT, {"n": i}, deliver_at=due_ms + i) for i in range(200, 300)]
+    with Client(meta=meta) as producer:
+        send_all(producer, first)
+        os.killpg(a.proc.pid, signal.SIGSTOP)
+        wait_role(b, "master", epoch=2, timeout=30)
+        os.killpg(a.proc.pid, signal.SIGCONT)
+        wait_role(a, "replica", epoch=2, timeout=30)  # it learnt it was deposed, and rejoined
+        wait_in_sync(b, a)  # (until then b, with --ack-replicas 1, takes no sends)
+        send_all(producer, later)  # to the new master, following the route
+        wait_for(lambda: replication(a)["log_end"] == replication(b)["log_end"], "a to copy b's log")
+        meta_in_sync(meta, "delay:d1", a)
+        # Now b's machine is lost: a, promoted again, must hold every message, each once.
+        processes.kill(b.proc, signal.SIGKILL)
+        shutil.rmtree(b.data_dir)
+        wait_role(a, "master", epoch=3, timeout=30)
+        assert a.stats()["pending"] == 300
+        with a.connect() as conn:
+            found = [len(conn.request(RequestCode.DELAY_LOOKUP, {"id": m.id})["messages"]) for m in later]
+        assert found == [1] * len(later)
