@@ -12,16 +12,13 @@ the hot path pays nothing.
 
 from __future__ import annotations
 
-from typing import Any
-
+from qmq.protocol.limits import ONCE_FIELD
 from qmq.store.store import LogStore
 
-ONCE_FIELD = "once"  # a message field: store it only if this broker does not hold its id already
+__all__ = ["ONCE_FIELD", "already_stored"]
 
 
-def already_stored(store: LogStore, item: dict[str, Any], subject: str, message_id: str) -> bool:
-    """Whether `item` (a message of a send, checked) is marked once and its id is stored already for
-    `subject`. A few reads through the key index."""
-    if item.get(ONCE_FIELD) is not True:
-        return False
+def already_stored(store: LogStore, subject: str, message_id: str) -> bool:
+    """Whether a message with this id is stored already for `subject` (asked for a message marked
+    `ONCE_FIELD` only). A few reads through the key index."""
     return any(record.subject == subject for record in store.find_all_by_id(message_id))

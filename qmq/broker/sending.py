@@ -10,7 +10,7 @@ from typing import Any
 
 from qmq.broker import metrics
 from qmq.broker.core import BrokerCore
-from qmq.broker.dedupe import already_stored
+from qmq.broker.dedupe import ONCE_FIELD, already_stored
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from qmq.protocol.fields import field
 from qmq.protocol.limits import validate_sent_message
@@ -40,7 +40,7 @@ class Sending:
             except ProtocolError as exc:
                 rejected.append([index, int(exc.code), exc.message])
                 continue
-            if already_stored(self.core.store, item, m.subject, m.id):
+            if item.get(ONCE_FIELD) is True and already_stored(self.core.store, m.subject, m.id):
                 repeated += 1
                 continue
             batch.append(Message(m.subject, m.id, m.payload, m.key, m.tags))

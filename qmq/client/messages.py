@@ -18,7 +18,7 @@ from qmq.client.errors import ClientError, InvalidMessage
 from qmq.ids import new_id
 from qmq.protocol import envelope
 from qmq.protocol.errors import ProtocolError
-from qmq.protocol.limits import DEFAULT_LIMITS, MAX_KEY_LEN, validate_sent_message, validate_subject
+from qmq.protocol.limits import DEFAULT_LIMITS, MAX_KEY_LEN, ONCE_FIELD, validate_sent_message, validate_subject
 from qmq.protocol.ordering import ORDER_KEY_HEADER, queue_of, queue_subject
 
 
@@ -102,7 +102,7 @@ class ForwardedMessage(OutgoingMessage):
             "payload": self.payload,
             "key": self.key,
             "tags": list(self.tags),
-            "once": True,
+            ONCE_FIELD: True,
         }
         return check_wire(wire, known_subjects)
 

@@ -146,6 +146,11 @@ class SentMessage(NamedTuple):
     tags: tuple[str, ...]
 
 
+# A sent message's field: store it only if this broker does not hold its id for the subject already
+# (a delay server's delivery fired again; qmq/broker/dedupe.py).
+ONCE_FIELD = "once"
+
+
 def validate_sent_message(item: Any, limits: Limits, known_subjects: set[str]) -> SentMessage:
     """`item` checked as a message of a send request, or a non-fatal `ProtocolError` saying why not.
     Subjects found valid are added to `known_subjects`, so each is checked once. The servers' hot path:
