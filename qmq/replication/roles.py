@@ -14,11 +14,11 @@ A server without a meta server is master at once with nothing to wait for, as be
 
 Transitions follow the meta server's answers (`on_meta_reply`), one at a time, newest wish first.
 A master steps down when the meta server names another master, or when a replica's fetch carries
-a newer epoch. Becoming a replica, a broker asks the master where its own last epoch ends there
+a newer epoch. Becoming a replica, a server asks the master where its own last epoch ends there
 (REPL_EPOCH_END) and cuts its log back to that (the cut bytes go to quarantine/, the server's own
-derived state is cut too, `Duty.truncated`, and every derived file rebuilt). A master that has not heard from the meta
-server for half of `failover_after` fences itself: it acknowledges no send, since a replica may be
-taking over. Each change is logged in one line with the epoch and the log offsets.
+state is cut too, `Duty.truncated`, and every derived file rebuilt). A master that has not heard
+from the meta server for half of `failover_after` fences itself: it acknowledges no send, since a
+replica may be taking over. Each change is logged in one line with the epoch and the log offsets.
 """
 
 from __future__ import annotations
