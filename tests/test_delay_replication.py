@@ -10,13 +10,10 @@ than the failover time (the window's re-fires are dropped by the broker, qmq/bro
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import time
 
 import pytest
@@ -29,6 +26,7 @@ from tests.support.delay import Arrivals, start_delay_server
 from tests.support.replication import (
     HOST,
     MAX_LAG,
+    admin_failover,
     meta_in_sync,
     replication,
     start_meta,
@@ -150,18 +148,7 @@ def test_admin_failover_hands_a_delay_group_to_its_replica_which_fires_what_the_
     messages = [OutgoingMessage(SUBJECT, {"n": i}, deliver_at=due_ms + i) for i in range(200)]
     with Client(meta=meta) as producer:
         send_all(producer, messages)  # to the master, a
-        done = subprocess.run(
-            [sys.executable, "-m", "qmq", "admin", "failover", "--group", "delay:d1", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "QMQ_META": meta, "QMQ_TOKEN": ""},
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        switched = json.loads(done.stdout)
-        assert (switched["old_master"], switched["master"], switched["epoch"]) == (a.address, b.address, 2)
-        assert replication(b)["role"] == "master"
-        wait_role(a, "replica", epoch=2)
+        admin_failover(meta, "delay:d1", a, b)
         later = [OutgoingMessage(SUBJECT, {"n": i}, deliver_at=due_ms + i) for i in range(200, 300)]
         send_all(producer, later)  # the client follows the route to b
     ids = {m.id for m in messages + later}
