@@ -98,6 +98,13 @@ def append_to(directory: Path, start_ms: int, positions: list[int]) -> Path:
     return path
 
 
+def mark_done_file(directory: Path, start_ms: int) -> None:
+    """Mark a bucket that is not loaded done (filing a bucket-done note); the directory is fsynced
+    by the next checkpoint."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / (bucket_name(start_ms) + DONE_SUFFIX)).touch()
+
+
 def is_done(directory: Path, start_ms: int) -> bool:
     return (directory / (bucket_name(start_ms) + DONE_SUFFIX)).exists()
 

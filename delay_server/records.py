@@ -7,7 +7,9 @@ cancels; its payload is the time until which the cancel is kept. A dispatch note
 `%ACTION%` subject saying which messages of one bucket a broker acknowledged: its payload is the
 bucket's start (8 bytes, where a due time would be) and their positions in the bucket's `.log` file
 (8 bytes each). It puts what the dispatch logs hold into the message log, so a replica, or a
-restart that replays the log, knows what was delivered (docs/delay.md). Only `read_file` does I/O.
+restart that replays the log, knows what was delivered (docs/delay.md). A bucket-done note says a
+bucket's every message was delivered or cancelled (its payload: the bucket's start), so a replica
+marks it done and deletes it after the retention as the master does. Only `read_file` does I/O.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from qmq.store.store import Message
 DELAYED = 0x10  # record flag: a delayed message, payload = due time + producer's payload
 CANCEL = 0x20  # record flag: a cancel of the message with this record's id
 DISPATCHED = 0x40  # record flag: a dispatch note, payload = bucket start + positions delivered
+BUCKET_DONE = 0x80  # record flag: a bucket-done note, payload = bucket start
+NOTES = DISPATCHED | BUCKET_DONE  # what the master notes about its own work, not a request's
 DUE = struct.Struct(">q")  # the payload's first 8 bytes
 POSITION = struct.Struct(">Q")
 
@@ -42,6 +46,12 @@ def dispatched(note_id: str, bucket_start_ms: int, positions: Sequence[int]) -> 
     `note_id` is an id of its own (the key index must not find it for a message's id)."""
     payload = DUE.pack(bucket_start_ms) + struct.pack(f">{len(positions)}Q", *positions)
     return Message(ACTION_SUBJECT, note_id, payload, None, (), DISPATCHED)
+
+
+def bucket_done(note_id: str, bucket_start_ms: int) -> Message:
+    """A bucket-done note: every message of the bucket starting at `bucket_start_ms` was delivered
+    or cancelled."""
+    return Message(ACTION_SUBJECT, note_id, DUE.pack(bucket_start_ms), None, (), BUCKET_DONE)
 
 
 def dispatched_positions(payload: bytes) -> tuple[int, list[int]]:

@@ -5,8 +5,9 @@
   it (the schedule checkpoint, then the message log after it), the scheduler loading and firing;
   sends and cancels answered once enough replicas hold them.
 - **replica**: the same files kept up to date from the copied log (`DelayService.catch_up` after
-  each durable chunk: messages into buckets, cancels, dispatch notes into dispatch logs), nothing
-  fired. At promotion they are closed and opened again as a master's: the buckets are loaded into
+  each durable chunk: messages into buckets, cancels, dispatch notes into dispatch logs, bucket-done
+  notes as done markers), nothing fired; done buckets deleted after the retention, as on a master.
+  At promotion they are closed and opened again as a master's: the buckets not done are loaded into
   the wheel from what is filed, less what the dispatch logs say was delivered.
 - a cut log (a deposed master) cuts the buckets, dispatch logs and cancels with it (truncation.py).
 
@@ -16,6 +17,7 @@ A delay server without a meta server (or without `--group`) is master alone, as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from delay_server import metrics
 from delay_server.cancels import Cancels
 from delay_server.clock import Clock
 from delay_server.schedule_log import ScheduleLog
-from delay_server.scheduler import Scheduler, release_free_memory
+from delay_server.scheduler import RETENTION_POLL_S, Scheduler, release_free_memory
 from delay_server.service import DelayService
 from delay_server.truncation import cut_back
 from qmq.client.aio import AsyncClient
@@ -60,6 +62,7 @@ class DelayDuty:
         self.client = client
         self.service: DelayService | None = None  # a master's or a replica's
         self.on_open: Callable[[DelayService], None] = lambda service: None  # the process's metrics
+        self._retiring: asyncio.Task[None] | None = None  # a replica's retention
 
     def open(self, store: LogStore) -> DelayService:
         """Schedule log, cancels, scheduler and service over `store`, recovered. Blocking."""
@@ -78,6 +81,7 @@ class DelayDuty:
         )
         service = DelayService(store, schedule, cancels, scheduler, self.clock, max_delay_s=s.max_delay_s)
         scheduler.on_dispatched = service.note_dispatched
+        scheduler.on_done = service.note_done
         try:
             service.recover()
         except BaseException:
@@ -119,7 +123,16 @@ class DelayDuty:
         service.acknowledged = acknowledged
 
     async def open_replica(self, store: LogStore) -> None:
-        await self._open(store)
+        service = await self._open(store)
+        self._retiring = asyncio.create_task(self._retire_forever(service), name="qmq-delay-replica-retention")
+
+    async def _retire_forever(self, service: DelayService) -> None:
+        while True:
+            await asyncio.sleep(RETENTION_POLL_S)  # a period: retention is a matter of time passing
+            try:
+                await service.retire()
+            except Exception:
+                log.exception("replica retention failed; trying again in %g s", RETENTION_POLL_S)
 
     async def replicated(self, end: int) -> None:
         if self.service is None:
@@ -130,6 +143,11 @@ class DelayDuty:
             log.exception("cannot file the replicated log into the schedule log; trying again")
 
     async def close_replica(self) -> None:
+        if self._retiring is not None:
+            self._retiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retiring
+            self._retiring = None
         await self._close()
 
     async def truncated(self, data_dir: Path, offset: int) -> None:

@@ -109,6 +109,7 @@ class Scheduler:
         # (bucket start, positions) a broker acknowledged, after the dispatch log has them: the service
         # notes them in the message log
         self.on_dispatched: Callable[[int, list[int]], None] = lambda start_ms, positions: None
+        self.on_done: Callable[[int], None] = lambda start_ms: None  # a bucket marked done: noted too
         self._staged: list[tuple[int, int, rec.Record]] = []  # (due ms, ref, record), a heap
         self._attempts: dict[int, int] = {}  # ref -> failed deliveries, for the backoff
         self.counters = {"scheduled": 0, "fired": 0, "skipped": 0, "failures": 0}
@@ -243,6 +244,7 @@ class Scheduler:
         lb.dispatch.close()
         del self.loaded[lb.start_ms], self._by_slot[lb.slot]
         self.done.add(lb.start_ms)
+        self.on_done(lb.start_ms)
         log.info("bucket %s done: every message delivered or cancelled", lb.name)
 
     def retire_old(self) -> None:

@@ -31,8 +31,8 @@ from typing import Any
 from delay_server import metrics, records
 from delay_server.cancels import Cancels
 from delay_server.clock import Clock
-from delay_server.dispatch_log import DONE_SUFFIX, append_to
-from delay_server.schedule_log import ScheduleLog
+from delay_server.dispatch_log import DONE_SUFFIX, append_to, mark_done_file
+from delay_server.schedule_log import ScheduleLog, bucket_name
 from delay_server.scheduler import Scheduler
 from qmq.ids import new_id
 from qmq.net.service import Service
@@ -170,11 +170,19 @@ class DelayService(Service):
                 buffered = 0
                 bucket_start, positions = records.dispatched_positions(record.payload)
                 self._dispatch_dirty.add(append_to(self.scheduler.dispatch_dir, bucket_start, positions))
+            elif record.flags & records.BUCKET_DONE:
+                bucket_start = records.due_of(record.payload)
+                mark_done_file(self.scheduler.dispatch_dir, bucket_start)
+                self._dispatch_dirty.add(self.scheduler.dispatch_dir)
+                self.scheduler.done.add(bucket_start)
             elif record.flags & records.CANCEL:
                 cancels.append((record.offset, record.message_id, records.due_of(record.payload)))
             elif record.flags & records.DELAYED:
                 due = records.due_of(record.payload)
                 bucket_start = self.schedule.start_of(due)
+                if bucket_start in self.scheduler.done:  # a message for a bucket retired just before
+                    (self.scheduler.dispatch_dir / (bucket_name(bucket_start) + DONE_SUFFIX)).unlink(missing_ok=True)
+                    self.scheduler.done.discard(bucket_start)
                 if bucket_start not in cut:
                     bucket = self.schedule.bucket(bucket_start, create=True)
                     assert bucket is not None
@@ -183,8 +191,6 @@ class DelayService(Service):
                         log.info(
                             "bucket %s: %d entries after the checkpoint cut, to be filed again", bucket.name, dropped
                         )
-                    (self.scheduler.dispatch_dir / (bucket.name + DONE_SUFFIX)).unlink(missing_ok=True)
-                    self.scheduler.done.discard(bucket_start)
                     cut.add(bucket_start)
                 pending[bucket_start].append((record.offset, due, self.store.read_bytes(record.offset, record.end)))
                 buffered += record.size
@@ -392,8 +398,20 @@ class DelayService(Service):
         """The scheduler's deliveries a broker acknowledged: noted in the message log (not waited
         for: a note lost in a crash means those messages are delivered again, which the brokers
         drop as already stored)."""
-        future = self.group_commit.write([records.dispatched(new_id(), bucket_start_ms, positions)])
-        future.add_done_callback(_log_note_failure)
+        self._note(records.dispatched(new_id(), bucket_start_ms, positions))
+
+    def note_done(self, bucket_start_ms: int) -> None:
+        """The scheduler marked a bucket done: noted in the message log, so replicas mark it too."""
+        self._note(records.bucket_done(new_id(), bucket_start_ms))
+
+    def _note(self, message: Message) -> None:
+        self.group_commit.write([message]).add_done_callback(_log_note_failure)
+
+    async def retire(self) -> None:
+        """A replica's retention, as the master's loader does it: delete done buckets past the
+        retention (between filing threads)."""
+        await self._filing_done()
+        self.scheduler.retire_old()
 
     def _file_durable(self, written: Written) -> None:
         """File durable messages (and cancels), called in message-log order. After a failure, nothing
@@ -420,11 +438,11 @@ class DelayService(Service):
         first = items[0][0].offset
         raw = memoryview(self.store.read_bytes(first, items[-1][0].end))
         bucket_ms, due_of, cancel_flag = self.schedule.bucket_ms, records.due_of, records.CANCEL
-        dispatched_flag = records.DISPATCHED
+        notes = records.NOTES
         for appended, message in items:
             offset = appended.offset
-            if message.flags & dispatched_flag:
-                continue  # the scheduler wrote the dispatch log before noting it
+            if message.flags & notes:
+                continue  # the scheduler wrote the dispatch log (or marked the bucket) before noting it
             due = due_of(message.payload)
             if message.flags & cancel_flag:
                 cancels.append((offset, message.message_id, due))

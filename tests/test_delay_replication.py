@@ -18,11 +18,13 @@ import time
 
 import pytest
 
+from delay_server.dispatch_log import DONE_SUFFIX
+from delay_server.schedule_log import bucket_name
 from qmq.client import Client, OutgoingMessage
 from qmq.protocol.codes import RequestCode
 from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
-from tests.support.delay import Arrivals, start_delay_server
+from tests.support.delay import Arrivals, dispatched_ids, start_delay_server
 from tests.support.replication import (
     HOST,
     MAX_LAG,
@@ -51,16 +53,27 @@ def meta(processes, pg_url):
         yield f"{HOST}:{port}"
 
 
-def start_member(processes, data_dir, meta: str, name: str):
+def start_member(processes, data_dir, meta: str, name: str, *args: str):
     return start_delay_server(
-        processes, data_dir, "--meta", meta, "--group", "d1", "--ack-replicas", "1", "--max-lag", MAX_LAG, name=name
+        processes,
+        data_dir,
+        "--meta",
+        meta,
+        "--group",
+        "d1",
+        "--ack-replicas",
+        "1",
+        "--max-lag",
+        MAX_LAG,
+        *args,
+        name=name,
     )
 
 
-def start_group(processes, tmp_path, meta: str):
-    a = start_member(processes, tmp_path / "a", meta, "a")
+def start_group(processes, tmp_path, meta: str, *args: str):
+    a = start_member(processes, tmp_path / "a", meta, "a", *args)
     wait_role(a, "master")
-    b = start_member(processes, tmp_path / "b", meta, "b")
+    b = start_member(processes, tmp_path / "b", meta, "b", *args)
     wait_role(b, "replica")
     wait_in_sync(a, b)
     meta_in_sync(meta, "delay:d1", b)
@@ -186,3 +199,20 @@ def test_a_frozen_master_is_deposed_rejoins_as_replica_and_holds_every_message_w
         with a.connect() as conn:
             found = [len(conn.request(RequestCode.DELAY_LOOKUP, {"id": m.id})["messages"]) for m in later]
         assert found == [1] * len(later)
+
+
+def test_the_replica_files_what_the_master_delivered_and_the_buckets_it_retired(processes, tmp_path, meta) -> None:
+    start_broker(processes, tmp_path / "broker", "--meta", meta, "--group", "b1")
+    clock_file = tmp_path / "clock"
+    a, b = start_group(processes, tmp_path, meta, "--bucket-minutes", "5", "--clock-file", str(clock_file))
+    now_ms = int(time.time() * 1000)
+    messages = [OutgoingMessage(SUBJECT, {"n": i}, deliver_at=now_ms + 500) for i in range(20)]
+    with Client(meta=meta) as producer:
+        send_all(producer, messages)
+    wait_for(lambda: a.stats()["fired"] == len(messages), "the master to deliver them")
+    ids = {m.id for m in messages}
+    wait_for(lambda: dispatched_ids(b.data_dir) == ids, "the replica to file the dispatch notes")
+    clock_file.write_text("600")  # ten minutes on: the 5-minute bucket is over, every message delivered
+    done = b.data_dir / "dispatch" / (bucket_name(now_ms + 500 - (now_ms + 500) % 300_000) + DONE_SUFFIX)
+    wait_for(done.exists, "the replica to mark the bucket done, as the master did")
+    assert (a.data_dir / "dispatch" / done.name).exists()
