@@ -125,3 +125,15 @@ def test_routes_name_a_delay_server_groups_master_only_and_follow_a_failover(eng
     [failover] = e.sweep()
     assert (failover.group, failover.master) == ("delay:d1", "d:2")
     assert routed() == ["d:2", "lone:1"]
+
+
+def test_a_serving_masters_report_made_before_its_replicas_is_not_a_lost_log(engine, clock) -> None:
+    e = election(engine, clock, "meta-1")
+    e.report("a:1", "g1", "master", 1, 1000, ["b:1"])
+    e.report("b:1", "g1", "replica", 1, 1000, None)
+    clock.advance(0.1)
+    e.report("b:1", "g1", "replica", 1, 1101, None)  # it copied what the master appended since
+    clock.advance(0.1)
+    e.report("a:1", "g1", "master", 1, 1000, ["b:1"])  # made before that, recorded after: stale
+    assert e.sweep() == []
+    assert e.assignment("g1").master == "a:1"
