@@ -5,7 +5,8 @@ One file per bucket, `dispatch/<bucket name>.dispatch`, of 12-byte entries: the 
 the bucket's `.log` file (its identity: a replay after a crash files the same records in the same
 order, so positions do not change) and a CRC-32 of those 8 bytes, appended after the broker's
 acknowledgement and fsynced with the schedule checkpoint (a crash may forget the last
-moment's entries: those messages are delivered again, at least once). A damaged entry (a torn
+moment's entries: those messages are delivered again, at least once). The same positions are noted
+in the message log (a dispatch note, records.py): a replica, or a replay, files them here too. A damaged entry (a torn
 write) is ignored. `<bucket name>.done` marks a bucket whose every message was delivered or
 cancelled; it is not loaded again, and is deleted with the bucket after the retention.
 """
@@ -82,6 +83,26 @@ class DispatchLog:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def append_to(directory: Path, start_ms: int, positions: list[int]) -> Path:
+    """Append positions to a bucket's dispatch file that is not open (filing a dispatch note from
+    the message log); the file, for the checkpoint to fsync."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / (bucket_name(start_ms) + SUFFIX)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, b"".join(map(pack_entry, positions)))
+    finally:
+        os.close(fd)
+    return path
+
+
+def mark_done_file(directory: Path, start_ms: int) -> None:
+    """Mark a bucket that is not loaded done (filing a bucket-done note); the directory is fsynced
+    by the next checkpoint."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / (bucket_name(start_ms) + DONE_SUFFIX)).touch()
 
 
 def is_done(directory: Path, start_ms: int) -> bool:

@@ -8,7 +8,8 @@
   until their due millisecond, then delivered; a message whose id was cancelled is dropped.
 - **Delivering**: through `AsyncClient`, in batches, to a writable broker group of the subject (the
   client tries another group on failure); what a broker acknowledged is written to the dispatch
-  log; what failed goes back into the wheel after a backoff, forever.
+  log and noted in the message log (`on_dispatched`); what failed goes back into the wheel after a
+  backoff, forever.
 - **Retiring**: a bucket whose time is over and whose every message was delivered or cancelled is
   marked done and unloaded; its files are deleted after the retention.
 """
@@ -22,7 +23,7 @@ import heapq
 import logging
 import os
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,10 @@ class Scheduler:
             if start is not None:
                 self.done.add(start)
         self.cancelling: dict[str, int] = {}  # ids whose cancel is not durable yet -> requests
+        # (bucket start, positions) a broker acknowledged, after the dispatch log has them: the service
+        # notes them in the message log
+        self.on_dispatched: Callable[[int, list[int]], None] = lambda start_ms, positions: None
+        self.on_done: Callable[[int], None] = lambda start_ms: None  # a bucket marked done: noted too
         self._staged: list[tuple[int, int, rec.Record]] = []  # (due ms, ref, record), a heap
         self._attempts: dict[int, int] = {}  # ref -> failed deliveries, for the backoff
         self.counters = {"scheduled": 0, "fired": 0, "skipped": 0, "failures": 0}
@@ -239,6 +244,7 @@ class Scheduler:
         lb.dispatch.close()
         del self.loaded[lb.start_ms], self._by_slot[lb.slot]
         self.done.add(lb.start_ms)
+        self.on_done(lb.start_ms)
         log.info("bucket %s done: every message delivered or cancelled", lb.name)
 
     def retire_old(self) -> None:
@@ -364,6 +370,7 @@ class Scheduler:
         for lb in buckets if buckets is not None else self.loaded.values():
             if lb.delivered:
                 lb.dispatch.append(lb.delivered)
+                self.on_dispatched(lb.start_ms, lb.delivered)
                 lb.delivered = []
 
     # ---- the clock ----------------------------------------------------------------------------

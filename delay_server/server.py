@@ -2,6 +2,10 @@
 unfiled, serve, register with the meta server, load and fire buckets, and shut down cleanly on
 SIGTERM or SIGINT (deliveries in flight finish or are retried after the restart; everything is
 checkpointed; the process exits 0).
+
+With `--group` and a meta server the delay server joins a replicated group (docs/replication.md):
+the meta server makes it master (it serves and fires) or a replica (it copies the master's log and
+files it, fires nothing), `delay_server/roles.py` over `qmq/replication/roles.py`.
 """
 
 from __future__ import annotations
@@ -14,15 +18,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from delay_server import metrics
-from delay_server.cancels import Cancels
 from delay_server.clock import Clock
-from delay_server.schedule_log import DEFAULT_BUCKET_MINUTES, ScheduleLog
-from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S, Scheduler, release_free_memory
-from delay_server.service import DEFAULT_MAX_DELAY_S, DelayService
+from delay_server.roles import DelayDuty, DelaySettings
+from delay_server.schedule_log import DEFAULT_BUCKET_MINUTES
+from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S
+from delay_server.service import DEFAULT_MAX_DELAY_S
 from qmq import metrics as prometheus
 from qmq.client.aio import AsyncClient
-from qmq.meta.membership import Membership
 from qmq.net.server import Server, run_process, stop_on_signals
+from qmq.replication.roles import Roles, join
+from qmq.store.followers import MAX_LAG_S
 from qmq.store.store import LogStore, StoreConfig
 
 log = logging.getLogger("qmq.delay")
@@ -35,18 +40,15 @@ METRICS_INTERVAL_S = 5.0
 STORE_CONFIG = StoreConfig(segment_bytes=128 * 1024 * 1024, checkpoint_bytes=64 * 1024 * 1024)
 
 
-def data_dirs(data_dir: Path) -> tuple[Path, Path, Path]:
-    """(schedule log, dispatch logs, cancels) of a delay server's data directory; the message log
-    (a log store) is the directory itself, so `qmq log verify/dump` read it as they read a broker's."""
-    return data_dir / "schedule", data_dir / "dispatch", data_dir / "cancels"
-
-
 async def serve_delay_server(
     data_dir: str | Path,
     *,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     meta: str | None = None,
+    group: str | None = None,
+    ack_replicas: int | None = None,
+    max_lag_s: float = MAX_LAG_S,
     brokers: Sequence[str] = (),
     advertise: str | None = None,
     advertise_external: str | None = None,
@@ -60,72 +62,73 @@ async def serve_delay_server(
     store_config: StoreConfig | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
+    """With `meta` and `group`, the meta server makes this delay server its group's master or a
+    replica; otherwise it is master alone, as before replication."""
     started = time.monotonic()
     data_dir = Path(data_dir)
-    schedule_dir, dispatch_dir, cancels_dir = data_dirs(data_dir)
     clock = Clock(clock_file)
-    store = await asyncio.to_thread(LogStore, data_dir, store_config or STORE_CONFIG)
-    schedule = cancels = None
+    config = store_config or STORE_CONFIG
+    store = await asyncio.to_thread(LogStore, data_dir, config)
+    roles = None
     try:
-        schedule = ScheduleLog(schedule_dir, bucket_minutes)
-        cancels = await asyncio.to_thread(Cancels, cancels_dir)
         client = AsyncClient(
             meta=meta or None, brokers=list(brokers) or None, token=token, client_id=f"delay-server-{port}"
         )
-        scheduler = Scheduler(
-            schedule, dispatch_dir, cancels, clock, client, load_ahead_s=load_ahead_s, retention_s=retention_s
-        )
-        service = DelayService(store, schedule, cancels, scheduler, clock, max_delay_s=max_delay_s)
-        await asyncio.to_thread(service.recover)
-        release_free_memory()
-        server = Server(service.handle, host=host, port=port, token=token)
+        settings = DelaySettings(bucket_minutes, load_ahead_s, retention_s, max_delay_s)
+        duty = DelayDuty(settings, clock, client)
+        duty.on_open = lambda service: setattr(metrics.COLLECTOR, "scheduler", service.scheduler)
+        server = Server(lambda request, peer: roles.handle(request, peer), host=host, port=port, token=token)
         await server.start()
         address = advertise or f"{host}:{server.port}"
+        replicated = bool(meta and group)
+        roles = Roles(
+            store,
+            config,
+            duty,
+            group=group or f"delay-{server.port}",
+            address=address,
+            token=token,
+            replicated=replicated,
+            ack_replicas=ack_replicas,
+            max_lag_s=max_lag_s,
+        )
         if stop is None:
             stop = stop_on_signals()
-        metrics.COLLECTOR.scheduler = scheduler
         if metrics_port is not None:
             metrics_port = prometheus.serve(metrics.REGISTRY, host, metrics_port)
             log.info("metrics on http://%s:%d/metrics", host, metrics_port)
-        service.start()
-        scheduler.start()
+        await roles.start()
         membership = None
         if meta:
-            membership = Membership(
-                meta, kind="delay", group=None, address=address, external_address=advertise_external, token=token
-            )
-            membership.start()
+            membership = join(roles, meta, kind="delay", external_address=advertise_external, replicated=replicated)
         log.info(
-            "delay server ready on %s in %.2f s (data %s, %d-minute buckets, delivering via %s%s)",
+            "delay server ready on %s in %.2f s (data %s, %d-minute buckets, delivering via %s%s%s)",
             address,
             time.monotonic() - started,
             data_dir,
-            schedule.bucket_minutes,
+            settings.bucket_minutes,
             f"meta {meta}" if meta else ", ".join(brokers),
+            f", group {group}" if replicated else "",
             f", clock file {clock_file}" if clock_file else "",
         )
-        refresher = asyncio.create_task(_refresh_metrics(scheduler))
+        refresher = asyncio.create_task(_refresh_metrics(duty))
         await stop.wait()
         log.info("shutting down")
         refresher.cancel()
         if membership is not None:
             await membership.close()
         await server.close()
-        await scheduler.close()
-        await service.close()
+        await roles.close()
         await client.close()
     finally:
-        if schedule is not None:
-            schedule.close()
-        if cancels is not None:
-            cancels.close()
-        await asyncio.to_thread(store.close)
+        await asyncio.to_thread((roles.store if roles is not None else store).close)
     log.info("delay server stopped")
 
 
-async def _refresh_metrics(scheduler: Scheduler) -> None:
+async def _refresh_metrics(duty: DelayDuty) -> None:
     while True:
-        metrics.update(scheduler)
+        if duty.service is not None:
+            metrics.update(duty.service.scheduler)
         await asyncio.sleep(METRICS_INTERVAL_S)
 
 

@@ -7,6 +7,13 @@ message-log order, so a bucket never holds an entry twice after a crash, see sch
 the sender is answered. DELAY_CANCEL records cancels the same way. A checkpoint every second
 fsyncs the buckets, cancels and dispatch logs and records how far the message log is filed.
 
+What a broker acknowledged is noted in the message log too (a dispatch note, records.py), after the
+scheduler wrote it to the bucket's dispatch log; filing a note writes it to the dispatch log, so the
+log alone says what is pending, cancelled and delivered. In a replicated group (docs/replication.md)
+a master answers a send or cancel only once enough replicas hold it too (`acknowledged`), and is
+`read_only` when too few are in sync; a replica files what it copies (`catch_up`), so a promoted
+replica only loads its buckets into the wheel.
+
 At start, `recover` files again what the message log holds after the last checkpoint.
 """
 
@@ -16,15 +23,18 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from delay_server import metrics, records
 from delay_server.cancels import Cancels
 from delay_server.clock import Clock
-from delay_server.dispatch_log import DONE_SUFFIX
-from delay_server.schedule_log import ScheduleLog
+from delay_server.dispatch_log import DONE_SUFFIX, append_to, mark_done_file
+from delay_server.schedule_log import ScheduleLog, bucket_name
 from delay_server.scheduler import Scheduler
+from qmq.ids import new_id
 from qmq.net.service import Service
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
@@ -42,6 +52,10 @@ REPLAY_BUFFER_BYTES = 8 * 1024 * 1024  # copies held during recovery before they
 MAX_CANCEL_IDS = 4096
 DAY_MS = 86_400_000
 _DUE_PACK = records.DUE.pack
+
+
+async def _nothing_to_wait_for(end: int) -> None:
+    return None
 
 
 def iso(ms: int) -> str:
@@ -79,6 +93,11 @@ class DelayService(Service):
         self.limits = limits
         self.filed_upto = store.end_offset  # everything before is in its bucket (after recover)
         self.failed: BaseException | None = None  # filing into the buckets failed: refuse until restarted
+        self.read_only = False  # a replicated master with too few replicas in sync: sends go elsewhere
+        # A replicated group's master waits here until enough replicas hold a write (qmq/replication/roles.py).
+        self.acknowledged: Callable[[int], Awaitable[None]] = _nothing_to_wait_for
+        self._dispatch_dirty: set[Path] = set()  # dispatch logs written by filing notes
+        self._filing: asyncio.Future[None] | None = None  # a replica's filing thread (catch_up)
         # Sends and cancels of one loop iteration: one append, one durability wait, then filed.
         self.group_commit = GroupCommit(store, on_durable=self._file_durable)
         self._valid_subjects: set[str] = set()
@@ -104,17 +123,66 @@ class DelayService(Service):
                 start,
             )
             start = self.store.start_offset
+        replayed, touched = self._file_log(start)
+        end = self.store.end_offset
+        self.schedule.save_checkpoint(end, self._take_dirty())
+        self.filed_upto = end
+        log.info(
+            "schedule log recovered: %d records after the checkpoint filed again into %d buckets", replayed, touched
+        )
+        return replayed
+
+    async def catch_up(self, end: int) -> None:
+        """A replica's message log is durable up to `end`: file what it holds after what is filed
+        (delayed messages into their buckets, cancels, dispatch notes into the dispatch logs). The
+        checkpoint loop makes it durable, as on a master. The filing runs in a thread that neither
+        a checkpoint nor `close` overlaps (`_filing_done`), even when the caller is cancelled."""
+        if end <= self.filed_upto:
+            return
+        await self._filing_done()
+        self._filing = asyncio.ensure_future(asyncio.to_thread(self._file_upto, end))
+        await asyncio.shield(self._filing)
+
+    def _file_upto(self, end: int) -> None:
+        self._file_log(self.filed_upto, end)
+        self.filed_upto = end
+
+    async def _filing_done(self) -> None:
+        """Wait for a replica's filing thread, if one runs (its error is its caller's)."""
+        if self._filing is not None and not self._filing.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._filing)
+
+    def _file_log(self, start: int, end: int | None = None) -> tuple[int, int]:
+        """File the records of the message log from `start` (to `end`, else its end): (how many,
+        how many buckets they touched). Each bucket touched is first cut back to its entries before
+        `start`, so nothing is filed twice. Blocking."""
         cut: set[int] = set()
         pending: dict[int, list[tuple[int, int, bytes]]] = defaultdict(list)
         cancels: list[tuple[int, str, int]] = []
         replayed = buffered = 0
         for record in self.store.scan(start):
+            if end is not None and record.offset >= end:
+                break
             replayed += 1
-            if record.flags & records.CANCEL:
+            if record.flags & records.DISPATCHED:
+                self._append_replayed(pending)  # the note names positions filed before it
+                buffered = 0
+                bucket_start, positions = records.dispatched_positions(record.payload)
+                self._dispatch_dirty.add(append_to(self.scheduler.dispatch_dir, bucket_start, positions))
+            elif record.flags & records.BUCKET_DONE:
+                bucket_start = records.due_of(record.payload)
+                mark_done_file(self.scheduler.dispatch_dir, bucket_start)
+                self._dispatch_dirty.add(self.scheduler.dispatch_dir)
+                self.scheduler.done.add(bucket_start)
+            elif record.flags & records.CANCEL:
                 cancels.append((record.offset, record.message_id, records.due_of(record.payload)))
             elif record.flags & records.DELAYED:
                 due = records.due_of(record.payload)
                 bucket_start = self.schedule.start_of(due)
+                if bucket_start in self.scheduler.done:  # a message for a bucket retired just before
+                    (self.scheduler.dispatch_dir / (bucket_name(bucket_start) + DONE_SUFFIX)).unlink(missing_ok=True)
+                    self.scheduler.done.discard(bucket_start)
                 if bucket_start not in cut:
                     bucket = self.schedule.bucket(bucket_start, create=True)
                     assert bucket is not None
@@ -123,8 +191,6 @@ class DelayService(Service):
                         log.info(
                             "bucket %s: %d entries after the checkpoint cut, to be filed again", bucket.name, dropped
                         )
-                    (self.scheduler.dispatch_dir / (bucket.name + DONE_SUFFIX)).unlink(missing_ok=True)
-                    self.scheduler.done.discard(bucket_start)
                     cut.add(bucket_start)
                 pending[bucket_start].append((record.offset, due, self.store.read_bytes(record.offset, record.end)))
                 buffered += record.size
@@ -134,13 +200,11 @@ class DelayService(Service):
         self._append_replayed(pending)
         if cancels:
             self.cancels.add(cancels)
-        end = self.store.end_offset
-        self.schedule.save_checkpoint(end, self.schedule.take_dirty() + self.cancels.take_dirty())
-        self.filed_upto = end
-        log.info(
-            "schedule log recovered: %d records after the checkpoint filed again into %d buckets", replayed, len(cut)
-        )
-        return replayed
+        return replayed, len(cut)
+
+    def _take_dirty(self) -> list[Path]:
+        dispatch, self._dispatch_dirty = list(self._dispatch_dirty), set()
+        return self.schedule.take_dirty() + self.cancels.take_dirty() + dispatch
 
     def _append_replayed(self, pending: dict[int, list[tuple[int, int, bytes]]]) -> None:
         for bucket_start, items in pending.items():
@@ -155,13 +219,15 @@ class DelayService(Service):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await asyncio.sleep(0)  # the dispatch notes of the last deliveries get appended
         await self.group_commit.close()  # file what requests cut short appended
-        await self.checkpoint()
+        await self.checkpoint()  # after a replica's filing thread, if one runs
 
     async def checkpoint(self) -> None:
         """Fsync what was filed and delivered, and record how far the message log is filed."""
+        await self._filing_done()
         offset = self.filed_upto
-        dirty = self.schedule.take_dirty() + self.cancels.take_dirty() + self.scheduler.take_dirty()
+        dirty = self._take_dirty() + self.scheduler.take_dirty()
         if offset == self.schedule.checkpoint_offset and not dirty:
             return
         await asyncio.to_thread(self.schedule.save_checkpoint, offset, dirty)
@@ -179,6 +245,8 @@ class DelayService(Service):
     async def _send(self, body: dict[str, Any]) -> dict[str, Any]:
         messages = field(body, "messages", list)
         self._check_healthy()
+        if self.read_only:
+            raise RemoteError(ErrorCode.READ_ONLY, "this delay server's group cannot replicate now: send elsewhere")
         now = self.clock.now_ms()
         batch: list[Message] = []
         rejected: list[list[Any]] = []
@@ -263,8 +331,10 @@ class DelayService(Service):
         stats["filed_upto"] = self.filed_upto
         # the store's reason (disk full: until space is freed; I/O or fsync error: until restarted),
         # or the schedule log's (until restarted, which files from the message log)
-        reason = self.store.read_only_reason or (
-            f"the schedule log could not be written: {self.failed}" if self.failed is not None else None
+        reason = (
+            self.store.read_only_reason
+            or (f"the schedule log could not be written: {self.failed}" if self.failed is not None else None)
+            or ("its replicated group cannot replicate now (replication.replicas)" if self.read_only else None)
         )
         stats["read_only"] = reason is not None
         stats["read_only_reason"] = reason
@@ -320,8 +390,28 @@ class DelayService(Service):
     async def _append_and_file(self, batch: list[Message]) -> None:
         """Append `batch` with the other requests of this loop iteration (one store append, one
         durability wait); return once it is filed into its buckets."""
-        await self.group_commit.write(batch)
+        appended = await self.group_commit.write(batch)
         self._check_healthy()
+        await self.acknowledged(appended[-1].end)  # a replicated group: enough replicas have it
+
+    def note_dispatched(self, bucket_start_ms: int, positions: list[int]) -> None:
+        """The scheduler's deliveries a broker acknowledged: noted in the message log (not waited
+        for: a note lost in a crash means those messages are delivered again, which the brokers
+        drop as already stored)."""
+        self._note(records.dispatched(new_id(), bucket_start_ms, positions))
+
+    def note_done(self, bucket_start_ms: int) -> None:
+        """The scheduler marked a bucket done: noted in the message log, so replicas mark it too."""
+        self._note(records.bucket_done(new_id(), bucket_start_ms))
+
+    def _note(self, message: Message) -> None:
+        self.group_commit.write([message]).add_done_callback(_log_note_failure)
+
+    async def retire(self) -> None:
+        """A replica's retention, as the master's loader does it: delete done buckets past the
+        retention (between filing threads)."""
+        await self._filing_done()
+        self.scheduler.retire_old()
 
     def _file_durable(self, written: Written) -> None:
         """File durable messages (and cancels), called in message-log order. After a failure, nothing
@@ -348,8 +438,11 @@ class DelayService(Service):
         first = items[0][0].offset
         raw = memoryview(self.store.read_bytes(first, items[-1][0].end))
         bucket_ms, due_of, cancel_flag = self.schedule.bucket_ms, records.due_of, records.CANCEL
+        notes = records.NOTES
         for appended, message in items:
             offset = appended.offset
+            if message.flags & notes:
+                continue  # the scheduler wrote the dispatch log (or marked the bucket) before noting it
             due = due_of(message.payload)
             if message.flags & cancel_flag:
                 cancels.append((offset, message.message_id, due))
@@ -360,3 +453,11 @@ class DelayService(Service):
             self.scheduler.scheduled(bucket_start, zip(positions, (due for _, due, _ in entries), strict=True))
         if cancels:
             self.cancels.add(cancels)
+
+
+def _log_note_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning(
+            "a dispatch note could not be written (after a failover those messages are sent again): %s",
+            future.exception(),
+        )

@@ -13,7 +13,7 @@ import collections
 import math
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 
@@ -60,6 +60,46 @@ class Histogram:
 
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ReplicationMetrics:
+    """A replicated server's role and its replicas (docs/replication.md): `<prefix>_role{role}`,
+    `<prefix>_epoch`, and on a master `<prefix>_replica_in_sync{replica}`,
+    `<prefix>_replica_lag_bytes{replica}`, `<prefix>_replica_lag_seconds{replica}`."""
+
+    ROLES = ("master", "replica", "pending")
+
+    def __init__(self, prefix: str, server: str, registry: CollectorRegistry) -> None:
+        self.role = Gauge(
+            f"{prefix}_role",
+            f"1 for this {server}'s role in its group (master, replica, pending)",
+            ["role"],
+            registry=registry,
+        )
+        self.epoch = Gauge(f"{prefix}_epoch", f"The group epoch this {server} knows", registry=registry)
+        self.in_sync = Gauge(
+            f"{prefix}_replica_in_sync", "1 while a replica is in sync (on the master)", ["replica"], registry=registry
+        )
+        self.lag_bytes = Gauge(
+            f"{prefix}_replica_lag_bytes", "How far a replica's durable log is behind", ["replica"], registry=registry
+        )
+        self.lag_seconds = Gauge(
+            f"{prefix}_replica_lag_seconds",
+            "How long since a replica last caught up with the log end",
+            ["replica"],
+            registry=registry,
+        )
+
+    def set_role(self, role: str, epoch: int) -> None:
+        for name in self.ROLES:
+            self.role.labels(name).set(1 if name == role else 0)
+        self.epoch.set(epoch)
+
+    def set_replicas(self, replicas: Sequence[dict]) -> None:
+        for r in replicas:
+            self.in_sync.labels(r["address"]).set(1 if r["in_sync"] else 0)
+            self.lag_bytes.labels(r["address"]).set(r["lag_bytes"])
+            self.lag_seconds.labels(r["address"]).set(r["lag_s"])
 
 
 class RequestMetrics:

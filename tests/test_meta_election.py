@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 from qmq.meta.election import Election
+from qmq.meta.registry import Registry
+from qmq.protocol.limits import DELAY_GROUP_PREFIX
 from tests.support.databases import migrated_engine
 from tests.test_meta_registry import Clock
 
@@ -94,3 +96,39 @@ def test_a_manual_switch_picks_an_in_sync_replica(engine, clock) -> None:
     assert e.switch("g1", to="c:1") is None
     switched = e.switch("g1")
     assert (switched.epoch, switched.master) == (2, "b:1")
+
+
+def test_routes_name_a_delay_server_groups_master_only_and_follow_a_failover(engine, clock) -> None:
+    registry = Registry(engine, clock=clock)
+    e = election(engine, clock, "meta-1")
+    for address in ("d:1", "d:2", "lone:1"):
+        registry.heartbeat(address, "delay", None)
+    e.report("d:1", f"{DELAY_GROUP_PREFIX}d1", "pending", 0, 0, None)  # first: master
+    e.report("d:2", f"{DELAY_GROUP_PREFIX}d1", "pending", 0, 0, None)
+    e.report("d:1", f"{DELAY_GROUP_PREFIX}d1", "master", 1, 100, ["d:2"])
+
+    def routed() -> list[str]:
+        return [s.address for s in registry.route("s", create=False).delay_servers]
+
+    assert routed() == ["d:1", "lone:1"]  # the replica answers NOT_MASTER: left out; a lone one stays
+    serves = {s["address"]: s["serves"] for s in registry.snapshot()["servers"]}
+    assert serves == {"d:1": True, "d:2": False, "lone:1": True}
+    clock.advance(AFTER_S + 1)
+    registry.heartbeat("d:2", "delay", None)
+    registry.heartbeat("lone:1", "delay", None)
+    e.report("d:2", f"{DELAY_GROUP_PREFIX}d1", "replica", 1, 100, None)
+    [failover] = e.sweep()
+    assert (failover.group, failover.master) == ("delay:d1", "d:2")
+    assert routed() == ["d:2", "lone:1"]
+
+
+def test_a_serving_masters_report_made_before_its_replicas_is_not_a_lost_log(engine, clock) -> None:
+    e = election(engine, clock, "meta-1")
+    e.report("a:1", "g1", "master", 1, 1000, ["b:1"])
+    e.report("b:1", "g1", "replica", 1, 1000, None)
+    clock.advance(0.1)
+    e.report("b:1", "g1", "replica", 1, 1101, None)  # it copied what the master appended since
+    clock.advance(0.1)
+    e.report("a:1", "g1", "master", 1, 1000, ["b:1"])  # made before that, recorded after: stale
+    assert e.sweep() == []
+    assert e.assignment("g1").master == "a:1"

@@ -3,7 +3,6 @@ a master and a replica under one meta server on PostgreSQL, `--ack-replicas 1`, 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -22,6 +21,7 @@ from tests.support.broker import restart_broker, send
 from tests.support.databases import fresh_database
 from tests.support.replication import (
     HOST,
+    admin_failover,
     meta_in_sync,
     replication,
     start_member,
@@ -245,18 +245,7 @@ def test_admin_failover_switches_the_master_by_hand_while_a_producer_runs(proces
     producer = Producer(meta, 1_500)
     producer.start()
     wait_for(lambda: len(producer.acked) >= 200, "200 acknowledged")
-    done = subprocess.run(
-        [sys.executable, "-m", "qmq", "admin", "failover", "--group", "g1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "QMQ_META": meta, "QMQ_TOKEN": ""},
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    switched = json.loads(done.stdout)
-    assert (switched["old_master"], switched["master"], switched["epoch"]) == (a.address, b.address, 2)
-    assert replication(b)["role"] == "master"
-    wait_role(a, "replica", epoch=2)
+    admin_failover(meta, "g1", a, b)
     producer.join(timeout=120)
     assert producer.error is None and len(set(producer.acked)) == 1_500
     assert set(consume(meta, set(producer.acked))) >= set(producer.acked)

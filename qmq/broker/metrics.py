@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import Gauge
 from prometheus_client.core import CounterMetricFamily
 
-from qmq.metrics import RequestMetrics, new_registry
+from qmq.metrics import ReplicationMetrics, RequestMetrics, new_registry
 
 REGISTRY = new_registry()
 REQUESTS = RequestMetrics("qmq_broker", "broker", REGISTRY)
@@ -84,32 +84,4 @@ def update(stats: dict[str, Any]) -> None:
 
 # ---- replication (docs/replication.md) ----------------------------------------------------------------
 
-ROLE = Gauge(
-    "qmq_broker_role", "1 for this broker's role in its group (master, replica, pending)", ["role"], registry=REGISTRY
-)
-EPOCH = Gauge("qmq_broker_epoch", "The group epoch this broker knows", registry=REGISTRY)
-REPLICA_IN_SYNC = Gauge(
-    "qmq_broker_replica_in_sync", "1 while a replica is in sync (on the master)", ["replica"], registry=REGISTRY
-)
-REPLICA_LAG_BYTES = Gauge(
-    "qmq_broker_replica_lag_bytes", "How far a replica's durable log is behind", ["replica"], registry=REGISTRY
-)
-REPLICA_LAG_SECONDS = Gauge(
-    "qmq_broker_replica_lag_seconds",
-    "How long since a replica last caught up with the log end",
-    ["replica"],
-    registry=REGISTRY,
-)
-
-
-def set_role(role: str, epoch: int) -> None:
-    for name in ("master", "replica", "pending"):
-        ROLE.labels(name).set(1 if name == role else 0)
-    EPOCH.set(epoch)
-
-
-def set_replicas(replicas: list[dict[str, Any]]) -> None:
-    for r in replicas:
-        REPLICA_IN_SYNC.labels(r["address"]).set(1 if r["in_sync"] else 0)
-        REPLICA_LAG_BYTES.labels(r["address"]).set(r["lag_bytes"])
-        REPLICA_LAG_SECONDS.labels(r["address"]).set(r["lag_s"])
+REPLICATION = ReplicationMetrics("qmq_broker", "broker", REGISTRY)

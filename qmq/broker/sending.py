@@ -1,6 +1,7 @@
 """BROKER_SEND: each message of a send is checked on its own (a bad one is rejected, the others
 stored); the sends of one loop iteration are stored together and acknowledged once durable (group
 commit, `qmq.store.group_commit`). A read-only broker group takes none: the client sends elsewhere.
+A delay server's delivery of a message already stored is answered as stored (`dedupe.py`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 from qmq.broker import metrics
 from qmq.broker.core import BrokerCore
+from qmq.broker.dedupe import ONCE_FIELD, already_stored
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from qmq.protocol.fields import field
 from qmq.protocol.limits import validate_sent_message
@@ -31,11 +33,15 @@ class Sending:
             raise RemoteError(ErrorCode.READ_ONLY, f"broker group {self.core.group_name} is read-only: send elsewhere")
         batch: list[Message] = []
         rejected: list[list[Any]] = []
+        repeated = 0
         for index, item in enumerate(messages):
             try:
                 m = validate_sent_message(item, self.core.limits, self._valid_subjects)
             except ProtocolError as exc:
                 rejected.append([index, int(exc.code), exc.message])
+                continue
+            if item.get(ONCE_FIELD) is True and already_stored(self.core.store, m.subject, m.id):
+                repeated += 1
                 continue
             batch.append(Message(m.subject, m.id, m.payload, m.key, m.tags))
         if batch:
@@ -45,4 +51,4 @@ class Sending:
                 metrics.STORED.by_subject[batch[0].subject] += 1
             else:
                 metrics.STORED.by_subject.update(m.subject for m in batch)
-        return {"stored": len(batch), "rejected": rejected}
+        return {"stored": len(batch) + repeated, "rejected": rejected}

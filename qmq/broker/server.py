@@ -14,9 +14,9 @@ from qmq import metrics as prometheus
 from qmq.broker import metrics
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.queue_lease import ORDERED_LEASE_S
-from qmq.broker.roles import Roles
-from qmq.meta.membership import Membership
+from qmq.broker.roles import BrokerDuty
 from qmq.net.server import Server, run_process, stop_on_signals
+from qmq.replication.roles import Roles, join
 from qmq.store.flush import FlushMode
 from qmq.store.followers import MAX_LAG_S
 from qmq.store.store import LogStore, StoreConfig
@@ -49,7 +49,7 @@ async def serve_broker(
     stop: asyncio.Event | None = None,
 ) -> None:
     """With `meta`, the meta server makes this broker its group's master or a replica
-    (qmq/broker/roles.py, docs/replication.md); without, it is master alone, as before replication."""
+    (qmq/replication/roles.py, docs/replication.md); without, it is master alone, as before replication."""
     config = replace(store_config or StoreConfig(), flush=FlushMode(flush))
     store = await asyncio.to_thread(LogStore, data_dir, config)
     roles = None
@@ -58,20 +58,19 @@ async def serve_broker(
         await server.start()
         address = advertise or f"{host}:{server.port}"
         group_name = group or f"broker-{server.port}"
+        duty = BrokerDuty(
+            {"consumer_timeout_s": consumer_timeout_s, "max_attempts": max_attempts, "ordered_lease_s": ordered_lease_s}
+        )
         roles = Roles(
             store,
             config,
+            duty,
             group=group_name,
             address=address,
             token=token,
             replicated=bool(meta),
             ack_replicas=ack_replicas,
             max_lag_s=max_lag_s,
-            service_options={
-                "consumer_timeout_s": consumer_timeout_s,
-                "max_attempts": max_attempts,
-                "ordered_lease_s": ordered_lease_s,
-            },
         )
         if stop is None:
             stop = stop_on_signals()
@@ -82,19 +81,7 @@ async def serve_broker(
         refresher = asyncio.create_task(_refresh_metrics(roles))
         membership = None
         if meta:
-            membership = Membership(
-                meta,
-                kind="broker",
-                group=group_name,
-                address=address,
-                external_address=advertise_external,
-                token=token,
-                on_read_only=roles.on_meta_read_only,
-                report=roles.report,
-                on_reply=roles.on_meta_reply,
-            )
-            roles.membership = membership
-            membership.start()
+            membership = join(roles, meta, kind="broker", external_address=advertise_external)
         log.info(
             "broker group %s ready on %s (data %s, flush %s%s)",
             group_name,

@@ -1,4 +1,5 @@
-"""`qmq admin failover --group G [--to ADDR]`: switch a replicated broker group's master by hand, for
+"""`qmq admin failover --group G [--to ADDR]`: switch a replicated group's master by hand (a broker
+group, or a delay-server group named `delay:NAME`), for
 maintenance (docs/replication.md): the master stops taking sends, a replica catches up with its whole
 log, the meta server makes it master with the next epoch, and the command returns once it serves."""
 
@@ -13,7 +14,7 @@ from qmq.client.admin import FAILOVER_TIMEOUT_S
 
 @click.command("failover")
 @admin_options
-@click.option("--group", "group_name", required=True, help="the replicated broker group")
+@click.option("--group", "group_name", required=True, help="the replicated group (delay:NAME for a delay-server group)")
 @click.option("--to", default=None, metavar="HOST:PORT", help="the replica to promote [default: the in-sync one]")
 @click.option(
     "--timeout",

@@ -39,6 +39,8 @@ ADVERTISE_EXTERNAL = click.option(
     help="host:port clients outside the servers' network should use (the meta server's external listener "
     "hands it out; docs/meta.md) [default: the --advertise address]",
 )
+ACK_REPLICAS = click.option("--ack-replicas", type=click.IntRange(0), default=None, help=ACK_REPLICAS_HELP)
+MAX_LAG = tuning("--max-lag", DURATION, f"{MAX_LAG_S:g}s", MAX_LAG_HELP)
 
 
 @click.command("broker")
@@ -71,8 +73,8 @@ ADVERTISE_EXTERNAL = click.option(
     DEFAULT_MAX_ATTEMPTS,
     "attempts before a message is dead-lettered, unless the consumer says otherwise",
 )
-@click.option("--ack-replicas", type=click.IntRange(0), default=None, help=ACK_REPLICAS_HELP)
-@tuning("--max-lag", DURATION, f"{MAX_LAG_S:g}s", MAX_LAG_HELP)
+@ACK_REPLICAS
+@MAX_LAG
 @log_level_option("INFO", "DEBUG, INFO, WARNING or ERROR")
 def broker(data_dir: str, log_level: str, **settings: Any) -> None:
     """Run a broker: stores messages and serves them to consumer groups."""

@@ -11,7 +11,7 @@ from delay_server.schedule_log import BUCKET_MINUTES, DEFAULT_BUCKET_MINUTES, Sc
 from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S
 from delay_server.server import DEFAULT_HOST, DEFAULT_PORT, run
 from delay_server.service import DEFAULT_MAX_DELAY_S
-from qmq.cli.broker import ADVERTISE, ADVERTISE_EXTERNAL, CLIENTS_TOKEN_HELP
+from qmq.cli.broker import ACK_REPLICAS, ADVERTISE, ADVERTISE_EXTERNAL, CLIENTS_TOKEN_HELP, MAX_LAG
 from qmq.cli.net_options import server_net_options
 from qmq.cli.options import (
     brokers_option,
@@ -33,6 +33,10 @@ BUCKET_CHOICES = [str(m) for m in BUCKET_MINUTES]
 BUCKET_DEFAULT = str(DEFAULT_BUCKET_MINUTES)
 LOAD_AHEAD_S = DEFAULT_LOAD_AHEAD_S
 LOAD_AHEAD_HELP = "load a bucket into the wheel this long before it begins"
+GROUP_HELP = (
+    "join this replicated group (needs --meta): the meta server makes one delay server of the group "
+    "master, the others replicas of its log (docs/replication.md) [default: none, a delay server alone]"
+)
 CLOCK_FILE_HELP = "for tests: a file holding seconds to add to the clock, re-read when it changes"
 
 
@@ -42,6 +46,9 @@ CLOCK_FILE_HELP = "for tests: a file holding seconds to add to the clock, re-rea
 @listen_options(DEFAULT_HOST, DEFAULT_PORT)
 @meta_option("meta server [env QMQ_META]: register there and deliver to the brokers of its routes")
 @brokers_option("deliver to this broker directly, without a meta server (repeat for several)")
+@click.option("--group", default=None, help=GROUP_HELP)
+@ACK_REPLICAS
+@MAX_LAG
 @ADVERTISE
 @ADVERTISE_EXTERNAL
 @token_option(CLIENTS_TOKEN_HELP)
@@ -65,7 +72,10 @@ def delay_server(
         raise click.UsageError("give --meta or --broker, not both")
     if not settings["meta"] and not settings["brokers"]:
         raise click.UsageError("give --meta (or QMQ_META) or --broker: the delay server needs brokers to deliver to")
+    if settings["group"] and not settings["meta"]:
+        raise click.UsageError("--group needs --meta: the meta server decides which member is master")
     settings["token"] = settings["token"] or None
+    settings["max_lag_s"] = settings.pop("max_lag").total_seconds()
     try:
         run(
             data_dir,

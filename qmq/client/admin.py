@@ -19,6 +19,7 @@ from qmq.client.errors import ClientError, MetaUnreachable
 from qmq.client.routes import meta_call
 from qmq.client.steps import Call, Calls, Sleep, Steps
 from qmq.protocol.codes import RequestCode
+from qmq.protocol.limits import DELAY_GROUP_PREFIX
 
 ADMIN_TIMEOUT_S = 30.0  # an administration request (a look-up reads the journal; a re-drive appends)
 MAX_DEAD_SELECTED = 4096  # dead letters listed to choose some by id (a broker's most in one reply)
@@ -335,7 +336,8 @@ class FailoverError(ClientError):
 
 
 def failover_steps(admin: Any, group: str, to: str | None = None, timeout_s: float = FAILOVER_TIMEOUT_S) -> Steps[dict]:
-    """`qmq admin failover`: a manual switch of a replicated group's master (docs/replication.md).
+    """`qmq admin failover`: a manual switch of a replicated group's master (docs/replication.md); a
+    delay-server group is named `delay:NAME`, as META_LIST lists it.
     The master stops taking sends and waits until a replica (`to`, or the in-sync one) has all of its
     log; then the meta server makes that replica master with the next epoch; returns once it serves."""
     if admin.meta is None:
@@ -356,9 +358,10 @@ def failover_steps(admin: Any, group: str, to: str | None = None, timeout_s: flo
     if isinstance(switched, BaseException):
         raise FailoverError(f"the meta server did not switch {group}: {describe_error(switched)}")
     new = switched["master"]
+    stats_code = RequestCode.DELAY_STATS if group.startswith(DELAY_GROUP_PREFIX) else RequestCode.BROKER_STATS
     waited = 0.0
     while True:
-        stats = yield Call(new, RequestCode.BROKER_STATS, {}, ADMIN_TIMEOUT_S)
+        stats = yield Call(new, stats_code, {}, ADMIN_TIMEOUT_S)
         replication = stats.get("replication") if isinstance(stats, dict) else None
         if replication and replication.get("role") == "master" and replication.get("epoch") == switched["epoch"]:
             break

@@ -18,7 +18,7 @@ from qmq.client.errors import ClientError, InvalidMessage
 from qmq.ids import new_id
 from qmq.protocol import envelope
 from qmq.protocol.errors import ProtocolError
-from qmq.protocol.limits import DEFAULT_LIMITS, MAX_KEY_LEN, validate_sent_message, validate_subject
+from qmq.protocol.limits import DEFAULT_LIMITS, MAX_KEY_LEN, ONCE_FIELD, validate_sent_message, validate_subject
 from qmq.protocol.ordering import ORDER_KEY_HEADER, queue_of, queue_subject
 
 
@@ -79,7 +79,8 @@ class OutgoingMessage:
 
 class ForwardedMessage(OutgoingMessage):
     """A message whose payload is already an envelope (the delay server handing on what a producer
-    sent): sent as it is, with its id."""
+    sent): sent as it is, with its id, marked `once`: a broker that already holds that id for the
+    subject (a delivery fired again after a crash or a failover) does not store it twice."""
 
     def __init__(
         self,
@@ -101,6 +102,7 @@ class ForwardedMessage(OutgoingMessage):
             "payload": self.payload,
             "key": self.key,
             "tags": list(self.tags),
+            ONCE_FIELD: True,
         }
         return check_wire(wire, known_subjects)
 

@@ -128,9 +128,11 @@ def with_delay_servers(route: Route, delay_servers: Sequence[str]) -> Route:
 
 
 def listed_delay_servers(reply: dict[str, Any]) -> list[str]:
-    """The available delay servers in a META_LIST reply."""
+    """The available delay servers in a META_LIST reply (not the replicas of a replicated group)."""
     return [
-        str(s["address"]) for s in reply.get("servers") or () if s.get("kind") == "delay" and s.get("available", True)
+        str(s["address"])
+        for s in reply.get("servers") or ()
+        if s.get("kind") == "delay" and s.get("available", True) and s.get("serves", True)
     ]
 
 

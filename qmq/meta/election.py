@@ -10,6 +10,7 @@ liveness loop.
   decides at a time, so several meta servers on one database never promote two masters.
 - A master that reports a log shorter than an in-sync replica's (it came back with a wiped disk) is
   replaced the same way at once: it would otherwise hand out a log that lost acknowledged messages.
+  A master still serving its epoch is not judged so: its report may be older than the replica's.
 - A member gone for good (its machine lost) is forgotten by hand (`forget_member`, `qmq admin group
   forget`): never the master, and not one that reported lately unless forced.
 """
@@ -293,9 +294,13 @@ class Election:
             if alive and master.epoch <= row.epoch:
                 best = self._best_in_sync(conn, now, row)
                 # Only a master report newer than the replica's can show a lost log: a replica's log is
-                # a prefix of what the master had when the replica reported.
+                # a prefix of what the master had when the replica reported. And only from a master that
+                # is not serving this epoch: one that is (it reports the role and epoch) has kept its log
+                # growing since it took office, and its report was merely made before the replica's and
+                # recorded after it (both logs grow while they report).
                 newer = as_utc(master.reported_at) >= as_utc(best.reported_at) if best is not None else False
-                if best is None or not newer or best.log_end <= master.log_end:
+                serving = master.role == "master" and master.epoch == row.epoch
+                if best is None or not newer or serving or best.log_end <= master.log_end:
                     self._stuck.discard(row.group_name)
                     return None
                 reason = f"the master reports log end {master.log_end}, an in-sync replica has {best.log_end}"

@@ -30,6 +30,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from qmq.meta import schema
 from qmq.meta.schema import as_utc
+from qmq.protocol.limits import DELAY_GROUP_PREFIX
 
 HEARTBEAT_INTERVAL_S = 10  # how often brokers and delay servers are asked to heartbeat
 UNAVAILABLE_AFTER_S = 30  # a server silent for longer than this is unavailable
@@ -62,6 +63,7 @@ class ServerState:
     last_heartbeat_at: datetime
     unregistered_at: datetime | None
     external_address: str | None = None  # for clients outside the servers' network
+    serves: bool = True  # takes client requests: not a replica of a replicated delay-server group
 
     @property
     def outside_address(self) -> str:
@@ -74,6 +76,7 @@ class ServerState:
             "kind": self.kind,
             "group": self.group,
             "available": self.available,
+            "serves": self.serves,
             "registered_at": self.registered_at.isoformat(),
             "last_heartbeat_at": self.last_heartbeat_at.isoformat(),
             "heartbeat_age_s": round((now - self.last_heartbeat_at).total_seconds(), 3),
@@ -260,7 +263,7 @@ class Registry:
         with self.engine.connect() as conn:
             groups = self._groups(conn, now)
             names = self._route_names(conn, subject)
-            delay = tuple(s for s in self._servers(conn, now) if s.kind == "delay")
+            delay = tuple(s for s in self._servers(conn, now) if s.kind == "delay" and s.serves)
         return Route(subject, tuple(groups[n] for n in names if n in groups), delay, added)
 
     # -- reads ----------------------------------------------------------------------------------
@@ -322,6 +325,7 @@ class Registry:
 
     def _servers(self, conn: Connection, now: datetime) -> list[ServerState]:
         rows = conn.execute(sa.select(schema.server).order_by(schema.server.c.address)).all()
+        replicas = self._delay_replicas(conn)
         return [
             ServerState(
                 address=row.address,
@@ -332,9 +336,26 @@ class Registry:
                 last_heartbeat_at=as_utc(row.last_heartbeat_at),
                 unregistered_at=as_utc(row.unregistered_at) if row.unregistered_at is not None else None,
                 external_address=row.external_address,
+                serves=row.address not in replicas,
             )
             for row in rows
         ]
+
+    def _delay_replicas(self, conn: Connection) -> set[str]:
+        """Delay servers that are replicas in a replicated group (qmq.meta.election keys those groups
+        `delay:NAME`): they answer NOT_MASTER, so routes leave them out; the master stays in."""
+        delay_groups = schema.replication.c.group_name.like(f"{DELAY_GROUP_PREFIX}%")
+        masters = dict(
+            conn.execute(
+                sa.select(schema.replication.c.group_name, schema.replication.c.master).where(delay_groups)
+            ).all()
+        )
+        members = conn.execute(
+            sa.select(schema.replica.c.address, schema.replica.c.group_name).where(
+                schema.replica.c.group_name.like(f"{DELAY_GROUP_PREFIX}%")
+            )
+        )
+        return {r.address for r in members if masters.get(r.group_name) != r.address}
 
     def _groups(self, conn: Connection, now: datetime) -> dict[str, GroupState]:
         servers = [s for s in self._servers(conn, now) if s.kind == "broker"]

@@ -37,7 +37,7 @@ from qmq.net.server import Server, run_process, stop_on_signals
 from qmq.net.service import Service
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.fields import bad, choice_field, field
-from qmq.protocol.limits import validate_group, validate_subject
+from qmq.protocol.limits import DELAY_GROUP_PREFIX, validate_group, validate_subject
 from qmq.protocol.ordering import split_queue_subject
 
 log = logging.getLogger("qmq.meta")
@@ -132,7 +132,7 @@ class MetaService(Service):
         in_sync = body.get("in_sync")
         if in_sync is not None and not (isinstance(in_sync, list) and all(isinstance(a, str) for a in in_sync)):
             raise bad("field 'in_sync' must be a list of addresses")
-        key = group if kind == "broker" else f"delay:{group}"
+        key = group if kind == "broker" else f"{DELAY_GROUP_PREFIX}{group}"
         assigned = await self._db(self.election.report, address, key, role, epoch, log_end, in_sync)
         failover_after_s = self.election.failover_after.total_seconds()
         return {
@@ -179,8 +179,10 @@ class MetaService(Service):
         return {"group": group, "read_only": read_only, "changed": changed}
 
     async def _switch(self, body: dict[str, Any]) -> dict[str, Any]:
-        """REPL_SWITCH (`qmq admin failover`): make `to` (an in-sync replica) master, next epoch."""
-        group = validate_group(field(body, "group", str))
+        """REPL_SWITCH (`qmq admin failover`): make `to` (an in-sync replica) master, next epoch. A
+        delay-server group is named `delay:NAME`, as META_LIST lists it."""
+        group = field(body, "group", str)
+        validate_group(group.removeprefix(DELAY_GROUP_PREFIX))
         to = _address(body["to"]) if body.get("to") is not None else None
         switched = await self._db(self.election.switch, group, to)
         if switched is None:

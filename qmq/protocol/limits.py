@@ -77,6 +77,11 @@ def validate_subject(subject: object, *, allow_system: bool = False, limits: Lim
     )
 
 
+# A replicated delay-server group NAME is `delay:NAME` where replicated groups are listed (META_LIST's
+# `replication`, REPL_SWITCH), apart from broker groups (docs/replication.md).
+DELAY_GROUP_PREFIX = "delay:"
+
+
 def validate_group(group: object, what: str = "group") -> str:
     """Return `group` if it is a valid consumer-group or broker-group name, else raise a non-fatal
     BAD_REQUEST `ProtocolError`."""
@@ -139,6 +144,11 @@ class SentMessage(NamedTuple):
     payload: bytes
     key: str | None
     tags: tuple[str, ...]
+
+
+# A sent message's field: store it only if this broker does not hold its id for the subject already
+# (a delay server's delivery fired again; qmq/broker/dedupe.py).
+ONCE_FIELD = "once"
 
 
 def validate_sent_message(item: Any, limits: Limits, known_subjects: set[str]) -> SentMessage:

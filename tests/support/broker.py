@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from qmq.net.client import BlockingConnection
 from qmq.protocol.codes import RequestCode
@@ -24,6 +24,7 @@ class Broker:
     port: int
     data_dir: Path
     args: tuple[str, ...]
+    stats_code: ClassVar[RequestCode] = RequestCode.BROKER_STATS  # its replication stats come with these
 
     @property
     def address(self) -> str:

@@ -21,6 +21,8 @@ from tests.support.broker import Broker, start_server
 class DelayServer(Broker):
     """A `qmq delay-server` process (a `Broker` for its process, port, data directory and arguments)."""
 
+    stats_code = RequestCode.DELAY_STATS
+
     def stats(self) -> dict[str, Any]:
         with self.connect(client_id="delay-test") as conn:
             return conn.request(RequestCode.DELAY_STATS, {})

@@ -4,6 +4,10 @@ BROKER_STATS."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -50,10 +54,10 @@ def start_member(
 
 
 def replication(broker: Broker) -> dict[str, Any] | None:
-    """The broker's replication stats, or None while it cannot answer."""
+    """The broker's (or delay server's) replication stats, or None while it cannot answer."""
     try:
         with BlockingConnection.open(HOST, broker.port, client_id="repl-test", token="", timeout=2) as conn:
-            return conn.request(RequestCode.BROKER_STATS, {}, timeout=5).get("replication")
+            return conn.request(broker.stats_code, {}, timeout=5).get("replication")
     except (OSError, ConnectionError, TimeoutError):
         return None
 
@@ -101,3 +105,21 @@ def wait_in_sync(master: Broker, replica: Broker, timeout: float = 60.0) -> dict
         return None
 
     return wait_for(check, f"{replica.address} in sync with {master.address}", timeout)
+
+
+def admin_failover(meta: str, group: str, old: Broker, new: Broker) -> dict[str, Any]:
+    """`qmq admin failover --group GROUP`: checks that it moved the group from `old` to `new` (epoch
+    2), that `new` serves as master and `old` rejoined as replica; the command's JSON answer."""
+    done = subprocess.run(
+        [sys.executable, "-m", "qmq", "admin", "failover", "--group", group, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "QMQ_META": meta, "QMQ_TOKEN": ""},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    switched = json.loads(done.stdout)
+    assert (switched["old_master"], switched["master"], switched["epoch"]) == (old.address, new.address, 2)
+    assert replication(new)["role"] == "master"
+    wait_role(old, "replica", epoch=2)
+    return switched

@@ -3,8 +3,10 @@ record, CRC-checked, fsynced before the next fetch reports the new offset (docs/
 
 It long-polls REPL_FETCH; each request's `offset` is the local durable end, which is the master's
 acknowledgement. Far behind (a new or wiped replica), it asks for bigger chunks. A master that says
-it is not master, or that this replica's log runs past its own, is reported to the broker
-(`on_trouble`), which asks the meta server again and truncates if it must.
+it is not master, or that this replica's log runs past its own, is reported to the server
+(`on_trouble`), which asks the meta server again and truncates if it must. `on_durable(end)` runs
+after each chunk is durable, before the next fetch: what the server derives from the log beyond the
+store's own files (a delay server's buckets) keeps up with it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
@@ -59,6 +61,7 @@ class Fetcher:
         token: str | None = None,
         on_trouble: Callable[[RemoteError], None] = lambda exc: None,
         on_unreachable: Callable[[], None] = lambda: None,
+        on_durable: Callable[[int], Awaitable[None]] | None = None,
         wait_ms: int = FETCH_WAIT_MS,
     ) -> None:
         self.store = store
@@ -71,6 +74,7 @@ class Fetcher:
         self.token = token
         self.on_trouble = on_trouble
         self.on_unreachable = on_unreachable
+        self.on_durable = on_durable
         self.wait_ms = wait_ms
         self.master_end = 0  # the master's log end in its last reply
         self.fetches = 0
@@ -142,6 +146,8 @@ class Fetcher:
             else:
                 end = await asyncio.to_thread(self.store.append_replicated, bytes(data), offset)
             await self.store.flushed(end)  # durable before the next fetch reports it
+            if self.on_durable is not None:
+                await self.on_durable(end)
         masters = [(int(e), int(s)) for e, s in reply.get("epochs") or ()]
         merged = ep.merged(self.epochs, masters, self.store.end_offset)
         if merged != self.epochs:
