@@ -48,7 +48,7 @@ class BrokerCore:
         self.limits = limits
         self.group_name = ""  # known once the process listens (broker-<port> by default)
         self.read_only = False  # set by the meta server (or too few replicas in sync): sends go elsewhere
-        # A replicated group's master waits here until enough replicas hold a send (qmq/broker/roles.py).
+        # A replicated group's master waits here until enough replicas hold a send (qmq/replication/roles.py).
         self.replicated: Callable[[int], Awaitable[None]] = _nothing_to_wait_for
         self.retries_changed = asyncio.Event()  # a retry was scheduled: the retry loop looks again
         self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)  # subject -> waiting pulls
