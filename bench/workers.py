@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker import HOST, broker_command, free_port, wait_port  # noqa: E402 - bench/broker.py
+from bench.broker import HOST, broker_command, free_port, wait_port  # noqa: E402
 
 from qmq.client import Client, OutgoingMessage  # noqa: E402
 
