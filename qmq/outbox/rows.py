@@ -206,6 +206,111 @@ def claim_due(conn: sa.Connection, token: str, limit: int, lease_s: float) -> li
     return [ClaimedRow(*row) for row in conn.execute(stmt)]
 
 
+# ---- PostgreSQL: take rows in the shipping transaction -------------------------------------------------
+#
+# On PostgreSQL a sender or relay ships in one transaction: one UPDATE marks a batch sent and returns it
+# (`take_due`, `take_leased`), the broker stores it, failures are given back (`give_back`), and only
+# then does the transaction commit. Until the commit nobody else sees the mark, and the row locks the
+# UPDATE holds are the lease: other shippers skip them (SKIP LOCKED), a shipper that dies drops them
+# with its connection at once, and one that hangs is cut off after the lease by
+# `idle_in_transaction_session_timeout` (`session_settings`). One write per row instead of a claim and a
+# mark, and one round trip less per batch.
+
+
+def _mark_taken() -> dict[str, Any]:
+    return {
+        "state": SENT,
+        "sent_at": sa.func.now(),
+        "attempts": outbox.c.attempts + 1,
+        "lease_token": None,
+        "lease_expires_at": None,
+        "last_error": None,
+    }
+
+
+_TAKE_DUE: dict[int, tuple[str, dict[str, Any]]] = {}
+
+
+def take_due(conn: sa.Connection, limit: int) -> list[ClaimedRow]:
+    """PostgreSQL, in the caller's open transaction: mark up to `limit` due, unleased, unordered rows
+    sent, oldest due first, and return them; rows another transaction holds are skipped. The caller
+    ships them, gives the failures back and commits; a rollback (or a lost connection) leaves them all
+    pending. The statement is compiled once and run on the DB-API cursor: it is the relay's inner loop."""
+    sql = _TAKE_DUE.get(limit)
+    if sql is None:
+        now = sa.func.now()
+        due = (
+            sa.select(outbox.c.id)
+            .where(_claimable(now))
+            .order_by(outbox.c.next_attempt_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        # RETURNING gives the new values: attempts as they were before this one, as `claim_due` does
+        returned = [
+            (outbox.c.attempts - 1).label("attempts") if c is outbox.c.attempts else c for c in _CLAIMED_COLUMNS
+        ]
+        stmt = outbox.update().where(outbox.c.id.in_(due)).values(**_mark_taken()).returning(*returned)
+        compiled = stmt.compile(dialect=conn.dialect)
+        sql = _TAKE_DUE[limit] = (str(compiled), dict(compiled.params))
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor.execute(sql[0], sql[1], prepare=True)
+        return [ClaimedRow(*row) for row in cursor.fetchall()]
+    finally:
+        cursor.close()
+
+
+def take_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) -> set[str]:
+    """PostgreSQL, in the caller's open transaction: mark sent the rows among `message_ids` that exist,
+    are pending and leased to `token`, skipping any another transaction holds; their ids. A row rolled
+    back with its transaction (or savepoint) is not there. Then as for `take_due`."""
+    if not message_ids:
+        return set()
+    mine = (
+        sa.select(outbox.c.id)
+        .where(
+            _one_of(conn, outbox.c.message_id, message_ids), outbox.c.lease_token == token, outbox.c.state == PENDING
+        )
+        .with_for_update(skip_locked=True)
+    )
+    stmt = outbox.update().where(outbox.c.id.in_(mine)).values(**_mark_taken()).returning(outbox.c.message_id)
+    return set(conn.execute(stmt).scalars())
+
+
+def give_back(conn: sa.Connection, failures: Sequence[Failure]) -> int:
+    """In the transaction that took them (`take_due`, `take_leased`): rows whose send failed go back to
+    pending with the error and a backoff (their attempt is already counted); the number given back."""
+    if not failures:
+        return 0
+    stmt = (
+        outbox.update()
+        .where(outbox.c.message_id == sa.bindparam("m_id"), outbox.c.state == SENT)
+        .values(
+            state=PENDING,
+            sent_at=None,
+            last_error=sa.bindparam("m_error"),
+            next_attempt_at=db_now_plus(conn.dialect.name, sa.bindparam("m_delay", type_=sa.Float)),
+        )
+    )
+    params = [
+        {"m_id": f.message_id, "m_error": f.error[:LAST_ERROR_MAX_CHARS], "m_delay": retry_delay_s(f.attempts + 1)}
+        for f in failures
+    ]
+    return conn.execute(stmt, params).rowcount
+
+
+def session_settings(lease_s: float) -> str:
+    """The SET for a PostgreSQL connection that ships by `take_due`/`take_leased`: a transaction left
+    idle longer than the lease (a send that hangs) is ended by the server, its rows given back; and the
+    commit does not wait for its WAL flush: a mark lost in a PostgreSQL crash means the row is shipped
+    again (a duplicate, which consumers drop by id), never a lost message."""
+    return f"SET idle_in_transaction_session_timeout = {int(lease_s * 1000)}; SET synchronous_commit = off"
+
+
+RESET_SESSION_SETTINGS = "RESET idle_in_transaction_session_timeout; RESET synchronous_commit"
+
+
 def still_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) -> set[str]:
     """The ids among `message_ids` whose rows exist, are pending and still leased to `token`. A row
     rolled back with its transaction (or savepoint) is not there. A read: no write, no fsync."""
