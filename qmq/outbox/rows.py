@@ -152,9 +152,9 @@ class ClaimedRow:
     headers: dict | None
     tags: list | None
     key: str | None
-    deliver_at: object  # datetime or None
+    deliver_at: object  # datetime or None (ms since the epoch from `take_due`)
     attempts: int
-    created_at: object  # datetime
+    created_at: object  # datetime (ms since the epoch from `take_due`)
     order_key: str | None = None
     id: int = 0  # the row's place in outbox order
 
@@ -246,19 +246,29 @@ def take_due(conn: sa.Connection, limit: int) -> list[ClaimedRow]:
             .limit(limit)
             .with_for_update(skip_locked=True)
         )
-        # RETURNING gives the new values: attempts as they were before this one, as `claim_due` does
-        returned = [
-            (outbox.c.attempts - 1).label("attempts") if c is outbox.c.attempts else c for c in _CLAIMED_COLUMNS
-        ]
+        # RETURNING gives the new values: attempts as they were before this one, as `claim_due` does;
+        # times as ms since the epoch, as a message carries them (no datetime made per row).
+        replaced = {
+            "attempts": (outbox.c.attempts - 1).label("attempts"),
+            "created_at": _epoch_ms(outbox.c.created_at).label("created_at"),
+            "deliver_at": _epoch_ms(outbox.c.deliver_at).label("deliver_at"),
+        }
+        returned = [replaced.get(c.name, c) for c in _CLAIMED_COLUMNS]
         stmt = outbox.update().where(outbox.c.id.in_(due)).values(**_mark_taken()).returning(*returned)
         compiled = stmt.compile(dialect=conn.dialect)
         sql = _TAKE_DUE[limit] = (str(compiled), dict(compiled.params))
-    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    # binary: bodies arrive as bytes, not as hex text to decode
+    cursor = conn.connection.dbapi_connection.cursor(binary=True)  # type: ignore[union-attr]
     try:
         cursor.execute(sql[0], sql[1], prepare=True)
         return [ClaimedRow(*row) for row in cursor.fetchall()]
     finally:
         cursor.close()
+
+
+def _epoch_ms(column: sa.Column) -> sa.ColumnElement:
+    """PostgreSQL: a timestamp column as whole ms since the epoch (NULL stays NULL)."""
+    return sa.cast(sa.func.floor(sa.extract("epoch", column) * 1000), sa.BigInteger)
 
 
 def take_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) -> set[str]:

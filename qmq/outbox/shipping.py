@@ -42,8 +42,10 @@ class ShipReport:
     lease_lost: int = 0  # rows marked by no one: another holder took them after our lease expired
 
 
-def epoch_ms(value: datetime) -> int:
-    """ms since the epoch; a naive datetime (SQLite) is UTC."""
+def epoch_ms(value: datetime | int) -> int:
+    """ms since the epoch; a naive datetime (SQLite) is UTC; an int is ms already."""
+    if isinstance(value, int):
+        return value
     if value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
     return int(value.timestamp() * 1000)
