@@ -271,21 +271,35 @@ def _epoch_ms(column: sa.Column) -> sa.ColumnElement:
     return sa.cast(sa.func.floor(sa.extract("epoch", column) * 1000), sa.BigInteger)
 
 
+_TAKE_LEASED: list[tuple[str, dict[str, Any]]] = []
+
+
 def take_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) -> set[str]:
     """PostgreSQL, in the caller's open transaction: mark sent the rows among `message_ids` that exist,
     are pending and leased to `token`, skipping any another transaction holds; their ids. A row rolled
-    back with its transaction (or savepoint) is not there. Then as for `take_due`."""
+    back with its transaction (or savepoint) is not there. Then as for `take_due`; compiled once and
+    run on the DB-API cursor, as the after-commit sender runs it for every batch."""
     if not message_ids:
         return set()
-    mine = (
-        sa.select(outbox.c.id)
-        .where(
-            _one_of(conn, outbox.c.message_id, message_ids), outbox.c.lease_token == token, outbox.c.state == PENDING
+    if not _TAKE_LEASED:
+        ids = sa.bindparam("ids", type_=postgresql.ARRAY(outbox.c.message_id.type))
+        mine = (
+            sa.select(outbox.c.id)
+            .where(outbox.c.message_id == sa.any_(ids), outbox.c.lease_token == sa.bindparam("token"))
+            .where(outbox.c.state == PENDING)
+            .with_for_update(skip_locked=True)
         )
-        .with_for_update(skip_locked=True)
-    )
-    stmt = outbox.update().where(outbox.c.id.in_(mine)).values(**_mark_taken()).returning(outbox.c.message_id)
-    return set(conn.execute(stmt).scalars())
+        stmt = outbox.update().where(outbox.c.id.in_(mine)).values(**_mark_taken()).returning(outbox.c.message_id)
+        compiled = stmt.compile(dialect=conn.dialect)
+        _TAKE_LEASED.append((str(compiled), dict(compiled.params)))
+    sql, params = _TAKE_LEASED[0]
+    values = {**params, "ids": list(message_ids), "token": token}
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        cursor.execute(sql, values, prepare=True)
+        return {row[0] for row in cursor.fetchall()}
+    finally:
+        cursor.close()
 
 
 def give_back(conn: sa.Connection, failures: Sequence[Failure]) -> int:
