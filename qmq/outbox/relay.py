@@ -38,6 +38,7 @@ BATCH_ROWS = 500  # rows claimed and shipped together
 LEASE_S = 60.0  # a claimed row is the relay's this long; longer than any send can take
 POLL_INTERVAL_S = 1.0  # the longest a relay sleeps without looking (NOTIFY wakes it sooner)
 SHIPPING_THREADS = 2  # per database
+SEND_BATCH_MESSAGES = 256  # messages per BROKER_SEND request: a batch of rows goes in a few of them
 KEEP_SENT_S = 7 * 86400.0  # the audit window: sent rows are kept this long for the reconciliation
 PURGE_BATCH_ROWS = 5_000  # deleted per short transaction
 PURGE_INTERVAL_S = 60.0
@@ -129,13 +130,21 @@ class DatabaseRelay:
         client = self.new_client()
         token = str(uuid.uuid4())
         failures = 0
+        client.batch_size = max(client.batch_size, SEND_BATCH_MESSAGES)
         conn: sa.Connection | None = None  # held across batches: no checkout and no ping per batch
+        ordered_at = 0.0
         try:
             while not self.stop.is_set():
                 try:
                     conn = conn or self.engine.connect()
                     report = self.ship_batch(client, token, conn)
-                    ordered = self.ship_ordered(client, conn)
+                    ordered = None
+                    # While full batches come, ordered keys get a pass every poll interval rather than
+                    # a query per batch; once the backlog is drained, on every round.
+                    full = report is not None and len(report.sent) + len(report.failed) >= self.settings.batch_rows
+                    if not full or time.monotonic() - ordered_at >= self.settings.poll_interval_s:
+                        ordered_at = time.monotonic()
+                        ordered = self.ship_ordered(client, conn)
                     failures = 0
                 except sa.exc.SQLAlchemyError as exc:
                     if conn is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
@@ -141,9 +141,8 @@ def _one_of(conn: sa.Connection, column: sa.Column, values: Sequence[Any]) -> sa
     return column.in_(values)
 
 
-@dataclass(frozen=True)
-class ClaimedRow:
-    """A pending row as a sender or relay ships it."""
+class ClaimedRow(NamedTuple):
+    """A pending row as a sender or relay ships it (a named tuple: made per row, in the relay's loop)."""
 
     message_id: str
     subject: str
@@ -261,7 +260,7 @@ def take_due(conn: sa.Connection, limit: int) -> list[ClaimedRow]:
     cursor = conn.connection.dbapi_connection.cursor(binary=True)  # type: ignore[union-attr]
     try:
         cursor.execute(sql[0], sql[1], prepare=True)
-        return [ClaimedRow(*row) for row in cursor.fetchall()]
+        return list(map(ClaimedRow._make, cursor.fetchall()))
     finally:
         cursor.close()
 
