@@ -184,6 +184,28 @@ def test_a_relay_killed_mid_batch_loses_its_rows_to_another_after_the_lease(proc
     assert sorted(d.id for d in delivered) == sorted(ids)
 
 
+def test_a_relay_hung_on_a_broker_loses_its_rows_to_another_after_the_lease(processes, engine, db_url, broker) -> None:
+    """Not killed: its send never returns. The server ends its transaction after the lease, so the
+    rows are pending again for another relay, and the hung one can never mark them."""
+    ids = leave_for_relay(engine, "order.created", 20)
+    hole = BlackHole()
+    try:
+        hung = start_relay(
+            processes, db_url, broker=f"127.0.0.1:{hole.port}", name="relay-hung", lease=2, concurrency=1
+        )
+        wait_for(lambda: locked_by_another(engine) == len(ids), "the batch taken")
+        # well before the client's own 10 s send timeout would end the batch
+        wait_for(lambda: locked_by_another(engine) == 0, "the rows freed after the lease", deadline_s=8)
+        assert set(states(engine).values()) == {"pending"}
+        start_relay(processes, db_url, broker=broker.address, name="relay-b")
+        wait_for(lambda: all_sent(engine, ids), "rows shipped by the other relay")
+        assert hung.poll() is None  # still alive, still hung on its broker
+    finally:
+        hole.close()
+    delivered = consume(broker.address, "order.created", len(ids))
+    assert sorted(d.id for d in delivered) == sorted(ids)
+
+
 def run_once(db_url: str, broker: str, **flags) -> tuple[dict, str]:
     result = subprocess.run(
         [sys.executable, *relay_args(db_url, broker=broker, once=True, **flags)],
