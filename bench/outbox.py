@@ -8,8 +8,9 @@
     .venv/bin/python bench/outbox.py drain      # the relay draining 1,000,000 pending rows
 
 Targets (issue 18; issue 4's were 25%, 20 ms, 30,000): with the outbox at most 20% fewer
-transactions/s; commit to stored p99 < 5 ms; relay drain >= 40,000 msg/s. Bodies are 1 KiB. Each case makes its own database and drops it.
-Set QMQ_PG_ADMIN_URL to use another PostgreSQL server. Record the figures in docs/benchmarks.md.
+transactions/s; commit to stored p99 < 5 ms; relay drain >= 40,000 msg/s. Bodies are 1 KiB. Each
+case makes its own database and drops it. Set QMQ_PG_ADMIN_URL to use another PostgreSQL server.
+Record the figures in docs/benchmarks.md.
 """
 
 from __future__ import annotations
