@@ -384,3 +384,27 @@ def test_bodies_encode_dates_decimals_and_uuids_and_take_an_encoder(engine, brok
         "id": str(token),
         "fee": {"cents": 250},
     }
+
+
+def test_the_senders_session_settings_do_not_leak_into_the_applications_pool(pg_producer, pg_engine, broker) -> None:
+    """The sender ships on a connection of the application's engine with its own settings (the lease
+    as an idle-in-transaction timeout, commits that do not wait for the WAL flush); back in the pool
+    after `close()`, that connection has the server's defaults again."""
+    pg_producer.send_now("order.created", "one")
+    assert pg_producer.flush(10)
+    pg_producer.close()
+    engine_pool = pg_engine.pool
+    seen = []
+    connections = [pg_engine.connect() for _ in range(engine_pool.checkedin() + 1)]  # every pooled one
+    try:
+        for conn in connections:
+            seen.append(
+                conn.exec_driver_sql("SHOW synchronous_commit").scalar()
+                + "/"
+                + conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
+            )
+    finally:
+        for conn in connections:
+            conn.close()
+    assert set(seen) == {"on/0"}
+    assert delivered_ids(broker, "order.created", 1)

@@ -146,12 +146,21 @@ class BlackHole:
             conn.close()
 
 
+def locked_by_another(engine) -> int:
+    """How many outbox rows another transaction holds (a shipper's batch in flight)."""
+    with engine.connect() as conn:
+        free = conn.execute(sa.select(outbox.c.id).with_for_update(skip_locked=True)).all()
+        total = conn.execute(sa.select(sa.func.count()).select_from(outbox)).scalar_one()
+        conn.rollback()
+    return total - len(free)
+
+
 def test_a_relay_killed_mid_batch_loses_its_rows_to_another_after_the_lease(processes, engine, db_url, broker) -> None:
     ids = leave_for_relay(engine, "order.created", 20)
     hole = BlackHole()
     try:
         stuck = start_relay(processes, db_url, broker=f"127.0.0.1:{hole.port}", name="relay-stuck", lease=3)
-        wait_for(lambda: all(r.lease_token for r in outbox_rows(engine).values()), "the batch claimed")
+        wait_for(lambda: locked_by_another(engine) == len(ids), "the batch taken")
         processes.kill(stuck)  # SIGKILL while the batch is in flight
     finally:
         hole.close()
@@ -159,6 +168,28 @@ def test_a_relay_killed_mid_batch_loses_its_rows_to_another_after_the_lease(proc
 
     start_relay(processes, db_url, broker=broker.address, name="relay-b")
     wait_for(lambda: all_sent(engine, ids), "rows reclaimed after the lease and shipped")
+    delivered = consume(broker.address, "order.created", len(ids))
+    assert sorted(d.id for d in delivered) == sorted(ids)
+
+
+def test_a_relay_hung_on_a_broker_loses_its_rows_to_another_after_the_lease(processes, engine, db_url, broker) -> None:
+    """Not killed: its send never returns. The server ends its transaction after the lease, so the
+    rows are pending again for another relay, and the hung one can never mark them."""
+    ids = leave_for_relay(engine, "order.created", 20)
+    hole = BlackHole()
+    try:
+        hung = start_relay(
+            processes, db_url, broker=f"127.0.0.1:{hole.port}", name="relay-hung", lease=2, concurrency=1
+        )
+        wait_for(lambda: locked_by_another(engine) == len(ids), "the batch taken")
+        # well before the client's own 10 s send timeout would end the batch
+        wait_for(lambda: locked_by_another(engine) == 0, "the rows freed after the lease", deadline_s=8)
+        assert set(states(engine).values()) == {"pending"}
+        start_relay(processes, db_url, broker=broker.address, name="relay-b")
+        wait_for(lambda: all_sent(engine, ids), "rows shipped by the other relay")
+        assert hung.poll() is None  # still alive, still hung on its broker
+    finally:
+        hole.close()
     delivered = consume(broker.address, "order.created", len(ids))
     assert sorted(d.id for d in delivered) == sorted(ids)
 

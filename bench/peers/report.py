@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bench.peers.workload import Measurement
 
-REFERENCE = {"messages": "qmq broker", "tasks": "qmq worker"}
+REFERENCE = {"messages": "qmq broker", "tasks": "qmq worker", "outbox": "qmq outbox -> qmq worker"}
 COLUMNS = (
     "system",
     "produce/s",

@@ -60,6 +60,9 @@ SYSTEMS = {
         6379,
         'redis-server --daemonize yes --port 6379 --save ""',
     ),
+    "outbox": System(  # commit to handler: the qmq outbox against Celery's on_commit(delay); PostgreSQL too
+        "qmq outbox and Celery on_commit", "outbox_path", 6379, 'redis-server --daemonize yes --port 6379 --save ""'
+    ),
 }
 
 

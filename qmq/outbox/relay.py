@@ -2,22 +2,28 @@
 outbox row that nobody shipped (the app died after its commit, a broker was down, the sender's queue
 was full), keeps sent rows for the audit window and then purges them.
 
-Per database: a few shipping threads claim due rows with `FOR UPDATE SKIP LOCKED` and a lease on the
-database clock, ship them and mark them under their own lease token, so any number of relays can
-share a database; they sleep until a NOTIFY, the next row's due time or the poll interval, whichever
-comes first. A housekeeping thread flags rows pending too long (logged and counted, never dropped),
-updates the backlog gauges and purges in small batches. A database or broker that goes away is
-waited for and reconnected to; stopping finishes the batch in hand.
+Per database: a few shipping threads, each holding one connection, take due rows with
+`FOR UPDATE SKIP LOCKED`, so any number of relays can share a database. On PostgreSQL a batch is
+taken, shipped and recorded in one transaction (qmq/outbox/rows.py, `take_due`): its row locks are
+the lease, cut off by the server after `lease_s`; on SQLite rows are claimed with a lease token on the
+database clock, shipped, and marked under that token. They sleep until a NOTIFY, the next row's due
+time or the poll interval, whichever comes first. A housekeeping thread flags rows pending too long
+(logged and counted, never dropped), updates the backlog gauges and purges in small batches. A
+database or broker that goes away is waited for and reconnected to; stopping finishes the batch in
+hand.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -32,6 +38,7 @@ BATCH_ROWS = 500  # rows claimed and shipped together
 LEASE_S = 60.0  # a claimed row is the relay's this long; longer than any send can take
 POLL_INTERVAL_S = 1.0  # the longest a relay sleeps without looking (NOTIFY wakes it sooner)
 SHIPPING_THREADS = 2  # per database
+SEND_BATCH_MESSAGES = 256  # messages per BROKER_SEND request: a batch of rows goes in a few of them
 KEEP_SENT_S = 7 * 86400.0  # the audit window: sent rows are kept this long for the reconciliation
 PURGE_BATCH_ROWS = 5_000  # deleted per short transaction
 PURGE_INTERVAL_S = 60.0
@@ -77,6 +84,8 @@ class DatabaseRelay:
         self, url: str, new_client: Callable[[], Client], settings: RelaySettings, stop: threading.Event
     ) -> None:
         self.engine = create_engine(url)
+        if self.engine.dialect.name == "postgresql":
+            sa.event.listen(self.engine, "connect", functools.partial(_configure, settings.lease_s))
         self.name = safe_url(self.engine)
         self.new_client = new_client
         self.settings = settings
@@ -121,25 +130,43 @@ class DatabaseRelay:
         client = self.new_client()
         token = str(uuid.uuid4())
         failures = 0
+        client.batch_size = max(client.batch_size, SEND_BATCH_MESSAGES)
+        conn: sa.Connection | None = None  # held across batches: no checkout and no ping per batch
+        ordered_at = 0.0
         try:
             while not self.stop.is_set():
                 try:
-                    report = self.ship_batch(client, token)
-                    ordered = self.ship_ordered(client)
+                    conn = conn or self.engine.connect()
+                    report = self.ship_batch(client, token, conn)
+                    ordered = None
+                    # While full batches come, ordered keys get a pass every poll interval rather than
+                    # a query per batch; once the backlog is drained, on every round.
+                    full = report is not None and len(report.sent) + len(report.failed) >= self.settings.batch_rows
+                    if not full or time.monotonic() - ordered_at >= self.settings.poll_interval_s:
+                        ordered_at = time.monotonic()
+                        ordered = self.ship_ordered(client, conn)
                     failures = 0
                 except sa.exc.SQLAlchemyError as exc:
+                    if conn is not None:
+                        with contextlib.suppress(sa.exc.SQLAlchemyError):
+                            conn.invalidate()
+                            conn.close()
+                    conn = None
                     failures += 1
                     self._database_error(exc, failures)
                     continue
                 if report is None and (ordered is None or not ordered.keys):
-                    self._sleep_until_due()
+                    self._sleep_until_due(conn)
         finally:
+            if conn is not None:
+                with contextlib.suppress(sa.exc.SQLAlchemyError):
+                    conn.close()
             client.close()
 
-    def _sleep_until_due(self) -> None:
+    def _sleep_until_due(self, conn: sa.Connection) -> None:
         timeout = self.settings.poll_interval_s
         try:
-            with self.engine.connect() as conn:
+            with conn.begin():
                 due_in = rows.seconds_until_due(conn)
         except sa.exc.SQLAlchemyError:
             due_in = None
@@ -173,14 +200,21 @@ class DatabaseRelay:
 
     # ---- the work, one step at a time --------------------------------------------------------------
 
-    def ship_batch(self, client: Client, token: str) -> shipping.ShipReport | None:
-        """Claim one batch of due rows, ship it and record the outcome; None when nothing was due."""
+    def ship_batch(self, client: Client, token: str, conn: sa.Connection) -> shipping.ShipReport | None:
+        """Take one batch of due rows, ship it and record the outcome on `conn` (not in a transaction);
+        None when nothing was due."""
         started = time.perf_counter()
-        with self.engine.begin() as conn:
-            claimed = rows.claim_due(conn, token, self.settings.batch_rows, self.settings.lease_s)
-        if not claimed:
-            return None
-        with self.engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            with conn.begin():  # the rows are ours until the commit: taken, shipped, failures given back
+                claimed = rows.take_due(conn, self.settings.batch_rows)
+                if not claimed:
+                    return None
+                report = shipping.ship_taken(conn, client, [shipping.shipment(r) for r in claimed])
+        else:
+            with conn.begin():
+                claimed = rows.claim_due(conn, token, self.settings.batch_rows, self.settings.lease_s)
+            if not claimed:
+                return None
             report = shipping.ship(conn, client, [shipping.shipment(r) for r in claimed], token)
         metrics.BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
         metrics.SHIPPED.labels(self.name).inc(len(report.sent))
@@ -197,12 +231,11 @@ class DatabaseRelay:
         self._summarise(len(report.sent))
         return report
 
-    def ship_ordered(self, client: Client) -> ordered_shipping.OrderedReport | None:
+    def ship_ordered(self, client: Client, conn: sa.Connection) -> ordered_shipping.OrderedReport | None:
         """One pass over ordered rows: the keys whose oldest row is ready, each shipped in order under
         its lock (qmq/outbox/ordered_shipping.py); None when no key was ready."""
         started = time.perf_counter()
-        with self.engine.connect() as conn:
-            report = ordered_shipping.ship_ready_keys(conn, client)
+        report = ordered_shipping.ship_ready_keys(conn, client)
         if report is None or not report.keys:
             return report
         metrics.BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
@@ -262,20 +295,21 @@ class DatabaseRelay:
         client = self.new_client()
         token = str(uuid.uuid4())
         try:
-            while not self.stop.is_set():
-                batch = self.ship_batch(client, token)
-                if batch is None:
-                    break
-                report.shipped += len(batch.sent)
-                report.failed += len(batch.failed)
-                if batch.failed:
-                    break  # the rest waits for the backoff
-            while not self.stop.is_set():
-                ordered = self.ship_ordered(client)
-                if ordered is None or not ordered.keys:
-                    break
-                report.shipped += len(ordered.sent)
-                report.failed += len(ordered.failed)
+            with self.engine.connect() as conn:
+                while not self.stop.is_set():
+                    batch = self.ship_batch(client, token, conn)
+                    if batch is None:
+                        break
+                    report.shipped += len(batch.sent)
+                    report.failed += len(batch.failed)
+                    if batch.failed:
+                        break  # the rest waits for the backoff
+                while not self.stop.is_set():
+                    ordered = self.ship_ordered(client, conn)
+                    if ordered is None or not ordered.keys:
+                        break
+                    report.shipped += len(ordered.sent)
+                    report.failed += len(ordered.failed)
             report.flagged = self.housekeeping()
             report.purged = self.purge()
             with self.engine.connect() as conn:
@@ -323,6 +357,14 @@ class Relay:
         for database in self.databases:
             database.engine.dispose()
         return reports
+
+
+def _configure(lease_s: float, dbapi_connection: Any, connection_record: Any) -> None:
+    """A new PostgreSQL connection of the relay: the session settings of shipping in one transaction."""
+    cursor = dbapi_connection.cursor()
+    cursor.execute(rows.session_settings(lease_s))
+    cursor.close()
+    dbapi_connection.commit()
 
 
 def _first_line(exc: BaseException) -> str:

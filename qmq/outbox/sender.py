@@ -2,11 +2,15 @@
 own process, on one background thread.
 
 The producer inserts each row leased to this sender's token; after the commit it hands the messages
-over with `offer`, which never blocks and never raises. The sender reads which rows exist (a message
-whose transaction or savepoint rolled back has no row and is never shipped), ships them in batches
-and marks them sent under its lease. Anything it cannot ship (queue full, broker down,
-database gone, process killed) is left to the relay: the row's lease runs out, or the sender gives it
-back at once with its error and a backoff.
+over with `offer`, which never blocks and never raises. The sender ships only rows it finds (a
+message whose transaction or savepoint rolled back has no row and is never shipped), in batches of
+whatever was handed over while it shipped the one before; when busy (above LINGER_ABOVE_PER_S) it
+also waits up to LINGER_S for more, otherwise a message goes at once. On PostgreSQL one transaction
+per batch takes the rows (marks them sent under its row locks), ships them, gives failures back and
+commits (qmq/outbox/rows.py, `take_leased`); elsewhere it reads which rows exist, ships them and
+marks them under its lease. Anything it cannot ship (queue full, broker
+down, database gone, process killed) is left to the relay: the row's lease runs out, or the sender
+gives it back at once with its error and a backoff.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ log = logging.getLogger(__name__)
 
 QUEUE_MAX_MESSAGES = 10_000  # handed over but not yet shipped; beyond it, rows wait for the relay
 BATCH_MAX_MESSAGES = 256  # shipped together: one read, one send call, one mark
-LINGER_S = 0.002  # after the first message, wait this long for more to ship with it (Kafka's linger.ms)
+# Linger when busy: above LINGER_ABOVE_PER_S messages/s a batch waits up to LINGER_S for more to ship
+# with it (fewer statements and sends per message: the application's throughput); below it a message
+# goes at once (its latency).
+LINGER_S = 0.002
+LINGER_ABOVE_PER_S = 1000.0
+RATE_WINDOW_S = 0.5
 CLOSE_TIMEOUT_S = 5.0  # close() waits this long for the queue to drain
 ERROR_LOG_INTERVAL_S = 10.0  # repeated failures are logged at most this often
 
@@ -53,6 +62,7 @@ class Sender:
         self._engine_factory = engine
         self._client_factory = client
         self.token = token
+        self.lease_s = lease_s
         # Rows are born leased for lease_s; one not shipping within half of it is left to the relay, so
         # that the lease outlives the send (a send outliving it could be shipped twice).
         self.max_queued_s = lease_s / 2
@@ -64,6 +74,9 @@ class Sender:
         self._busy = 0  # messages taken from the queue and not yet done
         self._idle = threading.Condition()
         self._last_error_log = 0.0
+        self._rate = 0.0  # messages/s handed over, measured over the last RATE_WINDOW_S
+        self._rate_since = time.monotonic()
+        self._rate_count = 0
 
     def has_room(self) -> bool:
         """Whether the sender is likely to take more messages (a hint: `offer` decides)."""
@@ -129,13 +142,14 @@ class Sender:
             if batch:
                 try:
                     client = client or self._client_factory()
-                    conn = conn or self._engine_factory().connect()
+                    conn = conn or self._connect()
                     self._ship(conn, client, batch)
                 except Exception as exc:  # the database went away: the rows' leases run out, the relay ships
                     LEFT_FOR_RELAY.labels("error").inc(len(batch))
                     self._log_error("after-commit send of %d messages failed, left for the relay: %s", len(batch), exc)
                     if conn is not None:
                         with contextlib.suppress(Exception):
+                            conn.invalidate()  # not back to the application's pool with our settings
                             conn.close()
                     conn = None
                 finally:
@@ -143,6 +157,10 @@ class Sender:
             if stop:
                 break
         if conn is not None:
+            with contextlib.suppress(Exception):
+                if conn.dialect.name == "postgresql":
+                    conn.exec_driver_sql(rows.RESET_SESSION_SETTINGS)
+                    conn.commit()
             conn.close()
         if client is not None:
             client.close()
@@ -153,7 +171,11 @@ class Sender:
         stop = first is None
         if first is not None:
             batch.append(first)
-        linger_until = time.monotonic() + LINGER_S
+        now = time.monotonic()
+        if now - self._rate_since >= RATE_WINDOW_S:
+            self._rate = self._rate_count / (now - self._rate_since)
+            self._rate_since, self._rate_count = now, 0
+        linger_until = now + (LINGER_S if self._rate >= LINGER_ABOVE_PER_S else 0.0)
         while not stop and len(batch) < self.batch_max:
             try:
                 item = self._queue.get(timeout=max(linger_until - time.monotonic(), 0.0))
@@ -163,11 +185,21 @@ class Sender:
                 stop = True
             else:
                 batch.append(item)
+        self._rate_count += len(batch)
         with self._idle:
             self._busy += len(batch)
             for _ in range(len(batch) + (1 if stop else 0)):
                 self._queue.task_done()
         return batch, stop
+
+    def _connect(self) -> sa.Connection:
+        """The sender's connection, held across batches (no checkout, no ping each time); on
+        PostgreSQL with the session settings of shipping in one transaction, reset when it goes back."""
+        conn = self._engine_factory().connect()
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql(rows.session_settings(self.lease_s))
+            conn.commit()
+        return conn
 
     def _done(self, count: int) -> None:
         with self._idle:
@@ -187,12 +219,21 @@ class Sender:
             self._ship_ordered(conn, client, ordered)
         if not batch:
             return
-        with conn.begin():
-            existing = rows.still_leased(conn, [s.message.id for s in batch], self.token)
-        confirmed = [s for s in batch if s.message.id in existing]
-        if not confirmed:
-            return
-        report = shipping.ship(conn, client, confirmed, self.token)
+        ids = [s.message.id for s in batch]
+        if conn.dialect.name == "postgresql":
+            with conn.begin():  # the rows are ours until the commit: taken, shipped, failures given back
+                taken = rows.take_leased(conn, ids, self.token)
+                confirmed = [s for s in batch if s.message.id in taken]
+                if not confirmed:
+                    return
+                report = shipping.ship_taken(conn, client, confirmed)
+        else:
+            with conn.begin():
+                existing = rows.still_leased(conn, ids, self.token)
+            confirmed = [s for s in batch if s.message.id in existing]
+            if not confirmed:
+                return
+            report = shipping.ship(conn, client, confirmed, self.token)
         SENT.inc(len(report.sent))
         if report.failed:
             LEFT_FOR_RELAY.labels("send_failed").inc(len(report.failed))

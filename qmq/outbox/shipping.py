@@ -2,9 +2,11 @@
 (sent, or failed with its error and a backoff) under the lease. The after-commit sender and the relay
 both ship this way; they differ only in how they lease rows.
 
-Promise: a row is marked sent only after a broker (or the delay server) acknowledged its message.
-If the marking itself fails (the database went away), the rows stay leased and are shipped again after
-the lease: a possible duplicate, never a loss. Consumers drop duplicates by message id.
+Promise: a row is marked sent only after a broker (or the delay server) acknowledged its message:
+either the mark is written after the acknowledgement (`ship`), or it is written before the send in a
+transaction that commits only after it (`ship_taken`, PostgreSQL). If the marking or the commit fails
+(the database went away), the rows stay pending and are shipped again: a possible duplicate, never a
+loss. Consumers drop duplicates by message id.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ class ShipReport:
     lease_lost: int = 0  # rows marked by no one: another holder took them after our lease expired
 
 
-def epoch_ms(value: datetime) -> int:
-    """ms since the epoch; a naive datetime (SQLite) is UTC."""
+def epoch_ms(value: datetime | int) -> int:
+    """ms since the epoch; a naive datetime (SQLite) is UTC; an int is ms already."""
+    if isinstance(value, int):
+        return value
     if value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
     return int(value.timestamp() * 1000)
@@ -94,4 +98,20 @@ def ship(conn: sa.Connection, client: Client, shipments: Sequence[Shipment], tok
             "(consumers drop the duplicate by message id)",
             report.lease_lost,
         )
+    return report
+
+
+def ship_taken(conn: sa.Connection, client: Client, shipments: Sequence[Shipment]) -> ShipReport:
+    """Send `shipments`, whose rows this transaction of `conn` took (`rows.take_due`,
+    `rows.take_leased`), and give the failed ones back in it; the caller then commits. Raises only if
+    the give-back could not be written (the caller's transaction then rolls back: every row pending)."""
+    report = ShipReport()
+    attempts = {s.message.id: s.attempts for s in shipments}
+    for result in send(client, shipments):
+        if result.ok:
+            report.sent.append(result.message_id)
+        else:
+            error = result.error or f"error code {result.error_code}"
+            report.failed.append(Failure(result.message_id, error, attempts[result.message_id]))
+    rows.give_back(conn, report.failed)
     return report
