@@ -216,20 +216,20 @@ class DatabaseRelay:
             if not claimed:
                 return None
             report = shipping.ship(conn, client, [shipping.shipment(r) for r in claimed], token)
-        metrics.BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
-        metrics.SHIPPED.labels(self.name).inc(len(report.sent))
         metrics.LEASE_LOST.labels(self.name).inc(report.lease_lost)
-        if report.failed:
-            metrics.SEND_FAILED.labels(self.name).inc(len(report.failed))
-            log.warning(
-                "database %s: %d of %d rows not shipped, retrying after a backoff: %s",
-                self.name,
-                len(report.failed),
-                len(claimed),
-                report.failed[0].error,
-            )
+        self._record(
+            started, report.sent, report.failed, f"of {len(claimed)} rows not shipped, retrying after a backoff"
+        )
         self._summarise(len(report.sent))
         return report
+
+    def _record(self, started: float, sent: Sequence[Any], failed: Sequence[Any], failure: str) -> None:
+        """Metrics of one batch (or ordered pass), and one warning naming the first failure."""
+        metrics.BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
+        metrics.SHIPPED.labels(self.name).inc(len(sent))
+        if failed:
+            metrics.SEND_FAILED.labels(self.name).inc(len(failed))
+            log.warning("database %s: %d %s: %s", self.name, len(failed), failure, failed[0].error)
 
     def ship_ordered(self, client: Client, conn: sa.Connection) -> ordered_shipping.OrderedReport | None:
         """One pass over ordered rows: the keys whose oldest row is ready, each shipped in order under
@@ -238,16 +238,7 @@ class DatabaseRelay:
         report = ordered_shipping.ship_ready_keys(conn, client)
         if report is None or not report.keys:
             return report
-        metrics.BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
-        metrics.SHIPPED.labels(self.name).inc(len(report.sent))
-        if report.failed:
-            metrics.SEND_FAILED.labels(self.name).inc(len(report.failed))
-            log.warning(
-                "database %s: %d ordered rows not shipped, their keys wait for the backoff: %s",
-                self.name,
-                len(report.failed),
-                report.failed[0].error,
-            )
+        self._record(started, report.sent, report.failed, "ordered rows not shipped, their keys wait for the backoff")
         self._summarise(len(report.sent))
         return report
 

@@ -184,21 +184,25 @@ def _claimable(now: sa.ColumnElement) -> sa.ColumnElement:
     )
 
 
-def claim_due(conn: sa.Connection, token: str, limit: int, lease_s: float) -> list[ClaimedRow]:
-    """Lease up to `limit` due pending rows, oldest due first, to `token` for `lease_s`. Rows that
-    another transaction holds locked are skipped (PostgreSQL), not waited for."""
-    dialect = conn.dialect.name
-    now = db_now(dialect)
-    due = (
+def _due_ids(now: Any, limit: int) -> sa.Select:
+    """The ids of up to `limit` rows to ship, oldest due first, skipping rows another transaction
+    holds locked (PostgreSQL; SQLite has no row locks and ignores it)."""
+    return (
         sa.select(outbox.c.id)
         .where(_claimable(now))
         .order_by(outbox.c.next_attempt_at)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
+
+
+def claim_due(conn: sa.Connection, token: str, limit: int, lease_s: float) -> list[ClaimedRow]:
+    """Lease up to `limit` due pending rows, oldest due first, to `token` for `lease_s`. Rows that
+    another transaction holds locked are skipped (PostgreSQL), not waited for."""
+    dialect = conn.dialect.name
     stmt = (
         outbox.update()
-        .where(outbox.c.id.in_(due))
+        .where(outbox.c.id.in_(_due_ids(db_now(dialect), limit)))
         .values(lease_token=token, lease_expires_at=db_now_plus(dialect, lease_s))
         .returning(*_CLAIMED_COLUMNS)
     )
@@ -237,14 +241,7 @@ def take_due(conn: sa.Connection, limit: int) -> list[ClaimedRow]:
     pending. The statement is compiled once and run on the DB-API cursor: it is the relay's inner loop."""
     sql = _TAKE_DUE.get(limit)
     if sql is None:
-        now = sa.func.now()
-        due = (
-            sa.select(outbox.c.id)
-            .where(_claimable(now))
-            .order_by(outbox.c.next_attempt_at)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        )
+        due = _due_ids(sa.func.now(), limit)
         # RETURNING gives the new values: attempts as they were before this one, as `claim_due` does;
         # times as ms since the epoch, as a message carries them (no datetime made per row).
         replaced = {
