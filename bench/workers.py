@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.broker import HOST, broker_command, free_port, wait_port  # noqa: E402
-
 from qmq.client import Client, OutgoingMessage  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
