@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import datetime
 from typing import Any
@@ -19,7 +20,10 @@ import click
 
 from qmq.cli.client_options import client_options, make_client
 from qmq.client import ClientError, Delivery
-from qmq.client.deliveries import DEFAULT_PULL_MAX, DEFAULT_PULL_WAIT_S
+from qmq.client.deliveries import DEFAULT_PULL_MAX
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_CHECK_S = 0.25  # a stop request is seen within this long (plus the batch being printed)
 
 
 @click.command("tail")
@@ -79,32 +83,30 @@ def tail(
         click.echo(
             f"qmq tail: waiting for messages on {subject} as group {group} (consumer {subscription.consumer})", err=True
         )
-        previous = signal.signal(signal.SIGTERM, _interrupt)  # a stop request acks what was printed, too
+        # Ctrl-C and a stop request end the loop between pulls (never an exception in the middle of the
+        # client's work, which could leave a lock taken); what was printed is acknowledged on the way out.
+        stop = threading.Event()
+        previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in STOP_SIGNALS}
         try:
-            _run(subscription, count, timeout)
-        except KeyboardInterrupt:
-            pass
+            _run(subscription, count, timeout, stop)
         except BrokenPipeError:  # the reader went away (| head): stop quietly, like other Unix tools
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except ClientError as exc:
             raise click.ClickException(str(exc)) from None
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             subscription.close()
     finally:
         client.close()
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def _run(subscription: Any, count: int | None, timeout: float | None) -> None:
+def _run(subscription: Any, count: int | None, timeout: float | None, stop: threading.Event) -> None:
     out = sys.stdout
     received = 0
     last_message_at = time.monotonic()
-    while count is None or received < count:
-        wait_s = DEFAULT_PULL_WAIT_S
+    while (count is None or received < count) and not stop.is_set():
+        wait_s = STOP_CHECK_S  # the long poll itself stays in flight between pulls
         if timeout is not None:
             left = last_message_at + timeout - time.monotonic()
             if left <= 0:
