@@ -223,3 +223,21 @@ def test_similar_keys_spread_over_the_index_buckets(tmp_path):
     assert max(chains) <= 3 * 4096 // 256  # average 16
     assert all(index.find(rec.key_hash(mid)) == [i] for i, mid in enumerate(ids[:200]))
     index.close()
+
+
+def test_reserve_written_fills_holes_and_fallocated_ranges_with_zeros_and_keeps_data(tmp_path) -> None:
+    """The key index's pages are written before they are mapped (disk_space.reserve_written): no page
+    of the range is left as a hole or an allocated-but-unwritten extent, and what was there stays."""
+    from qmq.store.disk_space import reserve_written
+
+    size = 8 << 20
+    with open(tmp_path / "sparse", "w+b") as f:
+        fd = f.fileno()
+        os.ftruncate(fd, size)
+        os.pwrite(fd, b"kept", 3 << 20)
+        os.posix_fallocate(fd, 5 << 20, 1 << 20)
+        reserve_written(fd, 1 << 20, size - (1 << 20))
+        data = os.pread(fd, size, 0)
+        assert data[3 << 20 : (3 << 20) + 4] == b"kept" and data.count(0) == size - 4
+        assert os.lseek(fd, 0, os.SEEK_DATA) == 1 << 20  # before the range: still a hole
+        assert os.lseek(fd, 1 << 20, os.SEEK_HOLE) == size  # the range: data all through

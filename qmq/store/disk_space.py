@@ -23,6 +23,7 @@ OUT_OF_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 PROBE_INTERVAL_S = 1.0  # while out of space, how often the store tries to reserve space again
 PROBE_BYTES = 4 * 1024 * 1024  # what must be reservable before writes resume
 PROBE_FILE = "space-probe.tmp"
+ZERO_CHUNK_BYTES = 1 << 20  # zeros written at once by reserve_written
 
 
 def is_out_of_space(exc: BaseException) -> bool:
@@ -44,12 +45,29 @@ def reserve(fd: int, offset: int, length: int) -> None:
 
 
 def reserve_written(fd: int, offset: int, length: int) -> None:
-    """Allocate `length` bytes at `offset` by writing zeros where the file holds only zeros (data
-    stays), for a file written through mmap at random places: a page of an extent that is allocated
-    but never written (what `posix_fallocate` leaves) makes the file system convert it on the first
-    write, and on ext4 that waits for the journal, that is for any fsync in progress. Raises OSError
-    ENOSPC when the disk is full."""
-    _reserve_by_writing(fd, offset, length)
+    """Allocate `length` bytes at `offset` by writing zeros into the holes of that range (what is
+    written already, or cached, stays as it is), for a file written through mmap at random places:
+    a page of an extent that is allocated but never written (what `posix_fallocate` leaves, which
+    SEEK_DATA counts as a hole) makes the file system convert it on the first write, and on ext4 that
+    waits for the journal, that is for any fsync in progress. Raises OSError ENOSPC when the disk is
+    full."""
+    end = offset + length
+    position = offset
+    while position < end:
+        try:
+            data = os.lseek(fd, position, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: no data from here to the end of the file
+                raise
+            data = end
+        hole_end = min(data, end)
+        while position < hole_end:
+            size = min(ZERO_CHUNK_BYTES, hole_end - position)
+            os.pwrite(fd, bytes(size), position)
+            position += size
+        if position >= end:
+            return
+        position = os.lseek(fd, position, os.SEEK_HOLE)
 
 
 def _reserve_by_writing(fd: int, offset: int, length: int) -> None:
