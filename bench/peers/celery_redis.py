@@ -105,7 +105,7 @@ def wait_until_empty(client: redis.Redis, queue: str, timeout_s: float) -> None:
 def measure_celery(options: Options, body: object) -> Measurement:
     import celery
 
-    from bench.peers.celery_app import LATENCY_KEY, noop, stamp
+    from bench.peers.celery_app import noop, stamp
 
     result = Measurement(
         f"Celery {celery.__version__} on Redis",
@@ -131,19 +131,31 @@ def measure_celery(options: Options, body: object) -> Measurement:
             lambda stamped: stamp.apply_async((STAMP.unpack_from(stamped)[0],), queue=LATENCY_QUEUE),
             replace(options, latency_rate=TASK_LATENCY_RATE),
         )
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while client.llen(LATENCY_KEY) < total:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {client.llen(LATENCY_KEY)} of {total} latency tasks ran")
-            time.sleep(POLL_S)
-        result.latency([float(v) for v in client.lrange(LATENCY_KEY, 0, -1)])
+        result.latency(latencies_when_done(client, total, DRAIN_TIMEOUT_S))
     finally:
         worker.stop()
-        keys = list(client.scan_iter(match=PREFIX + "*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        forget_run(client)
     return result
+
+
+def latencies_when_done(client: redis.Redis, total: int, timeout_s: float) -> list[float]:
+    """The send-to-start latencies (ms) once `total` latency tasks ran; TimeoutError naming how many did."""
+    from bench.peers.celery_app import LATENCY_KEY  # imported once the run's environment is set
+
+    deadline = time.monotonic() + timeout_s
+    while client.llen(LATENCY_KEY) < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {client.llen(LATENCY_KEY)} of {total} latency tasks ran")
+        time.sleep(POLL_S)
+    return [float(v) for v in client.lrange(LATENCY_KEY, 0, -1)]
+
+
+def forget_run(client: redis.Redis) -> None:
+    """Delete every key this run made on the shared Redis, and let go of the client."""
+    keys = list(client.scan_iter(match=PREFIX + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
 
 
 def measure_qmq_worker(options: Options) -> Measurement:

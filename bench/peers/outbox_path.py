@@ -169,7 +169,15 @@ def measure_celery(options, orders: Orders):
     import redis
 
     from bench.peers.celery_app import LATENCY_KEY, stamp
-    from bench.peers.celery_redis import DURABILITY, LATENCY_QUEUE, PORT, PREFIX, TASK_LATENCY_RATE, CeleryWorker
+    from bench.peers.celery_redis import (
+        DURABILITY,
+        LATENCY_QUEUE,
+        PORT,
+        TASK_LATENCY_RATE,
+        CeleryWorker,
+        forget_run,
+        latencies_when_done,
+    )
     from bench.peers.workload import HOST, Measurement
 
     result = Measurement(
@@ -191,18 +199,10 @@ def measure_celery(options, orders: Orders):
             lambda session: None,
             lambda session, _: stamp.apply_async((time.time(),), queue=LATENCY_QUEUE),
         )
-        deadline = time.monotonic() + HANDLED_TIMEOUT_S
-        while client.llen(LATENCY_KEY) < total:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {client.llen(LATENCY_KEY)} of {total} tasks ran")
-            time.sleep(0.05)
-        result.latency([float(v) for v in client.lrange(LATENCY_KEY, 0, -1)])
+        result.latency(latencies_when_done(client, total, HANDLED_TIMEOUT_S))
     finally:
         worker.stop()
-        keys = list(client.scan_iter(match=PREFIX + "*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        forget_run(client)
     return result
 
 
