@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import Counter
@@ -234,28 +235,23 @@ class Sender:
             if not confirmed:
                 return
             report = shipping.ship(conn, client, confirmed, self.token)
-        SENT.inc(len(report.sent))
-        if report.failed:
-            LEFT_FOR_RELAY.labels("send_failed").inc(len(report.failed))
-            self._log_error(
-                "%d messages could not be sent now and are left for the relay: %s",
-                len(report.failed),
-                report.failed[0].error,
-            )
+        self._count(report.sent, report.failed, "messages")
 
     def _ship_ordered(self, conn: sa.Connection, client: Client, batch: list[Shipment]) -> None:
         """Ordered messages: shipped under their keys' locks when no earlier row of the key is
         pending, else given back to the relay (qmq/outbox/ordered_shipping.py)."""
         report = ordered_shipping.ship_offered(conn, client, batch, self.token)
-        SENT.inc(len(report.sent))
         if report.given_back:
             LEFT_FOR_RELAY.labels("ordered_behind").inc(len(report.given_back))
-        if report.failed:
-            LEFT_FOR_RELAY.labels("send_failed").inc(len(report.failed))
+        self._count(report.sent, report.failed, "ordered messages")
+
+    def _count(self, sent: Sequence[Any], failed: Sequence[Any], what: str) -> None:
+        """Metrics of one shipment, and the error naming the first failure (left for the relay)."""
+        SENT.inc(len(sent))
+        if failed:
+            LEFT_FOR_RELAY.labels("send_failed").inc(len(failed))
             self._log_error(
-                "%d ordered messages could not be sent now and are left for the relay: %s",
-                len(report.failed),
-                report.failed[0].error,
+                f"%d {what} could not be sent now and are left for the relay: %s", len(failed), failed[0].error
             )
 
     def _log_error(self, message: str, *args: object) -> None:
