@@ -40,9 +40,10 @@ from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from qmq.protocol.fields import bad, field
 from qmq.protocol.limits import DEFAULT_LIMITS, MAX_MESSAGE_ID_LEN, Limits, validate_sent_message, validate_subject
+from qmq.store.disk_space import is_out_of_space, space_available
 from qmq.store.flush import FlushFailed
 from qmq.store.group_commit import GroupCommit, Written
-from qmq.store.store import LogStore, Message, StoreError
+from qmq.store.store import Appended, LogStore, Message, StoreError
 
 log = logging.getLogger("qmq.delay")
 
@@ -235,6 +236,7 @@ class DelayService(Service):
     async def _checkpoint_loop(self) -> None:
         while True:
             await asyncio.sleep(CHECKPOINT_INTERVAL_S)
+            self._refile_when_space()
             try:
                 await self.checkpoint()
             except Exception:
@@ -382,7 +384,8 @@ class DelayService(Service):
         if self.failed is not None:
             raise RemoteError(
                 ErrorCode.UNAVAILABLE,
-                f"the delay server could not write its schedule log and takes nothing until restarted: {self.failed}",
+                f"the delay server could not write its schedule log and takes nothing until "
+                f"{'space is freed' if is_out_of_space(self.failed) else 'restarted'}: {self.failed}",
             )
 
     # ---- from the message log into the buckets ----------------------------------------------------
@@ -423,12 +426,41 @@ class DelayService(Service):
         except Exception as exc:
             self.failed = exc
             log.critical(
-                "cannot write the schedule log; refusing new messages until restarted (a restart "
-                "files them from the message log): %s",
+                "cannot write the schedule log; refusing new messages until %s: %s",
+                "space is freed" if is_out_of_space(exc) else "restarted (a restart files them from the message log)",
                 exc,
             )
             return
         self.filed_upto = written[-1][0].end
+
+    def _refile_when_space(self) -> None:
+        """After a schedule-log write failed for want of space: once space is back, file what the
+        message log holds from where filing stopped (its buckets cut back first, so nothing is filed
+        twice; what a broker may then get twice it drops, `once`) and take requests again. Any other
+        write error still needs a restart, which files the same from the message log."""
+        if self.failed is None or not is_out_of_space(self.failed) or not space_available(self.store.data_dir):
+            return
+        start, end = self.filed_upto, self.group_commit.settled_upto()
+        items: Written = []
+        for record in self.store.scan(start):
+            if record.offset >= end:
+                break
+            message = Message(record.subject, record.message_id, record.payload, record.key, record.tags, record.flags)
+            items.append((Appended(record.offset, record.seq, record.end), message))
+        try:
+            for bucket_start in {self.schedule.start_of(records.due_of(m.payload)) for _, m in items if _filed(m)}:
+                bucket = self.schedule.bucket(bucket_start, create=False)
+                if bucket is not None:
+                    bucket.cut_from(start)
+            if items:
+                self._file(items)
+        except Exception as exc:
+            self.failed = exc
+            log.warning("the schedule log still cannot be written: %s", exc)
+            return
+        self.filed_upto = end
+        self.failed = None
+        log.warning("the schedule log takes writes again: %d records filed from offset %d", len(items), start)
 
     def _file(self, items: Written) -> None:
         """File appended messages (and cancels) into their buckets. The copies are the message-log
@@ -453,6 +485,11 @@ class DelayService(Service):
             self.scheduler.scheduled(bucket_start, zip(positions, (due for _, due, _ in entries), strict=True))
         if cancels:
             self.cancels.add(cancels)
+
+
+def _filed(message: Message) -> bool:
+    """A delayed message, filed into a bucket (not a cancel or a note)."""
+    return bool(message.flags & records.DELAYED) and not message.flags & (records.CANCEL | records.NOTES)
 
 
 def _log_note_failure(future: asyncio.Future) -> None:

@@ -58,6 +58,13 @@ class GroupCommit:
         self._waiting.append((messages, future))
         return future
 
+    def settled_upto(self) -> int:
+        """The message-log offset before which every write appended so far was settled (its
+        `on_durable` ran, or it failed): a reader of the log up to here never races `on_durable`."""
+        if self._groups:
+            return self._groups[0].written[0][0][0].offset
+        return self.store.end_offset
+
     async def close(self) -> None:
         """Wait for the writes appended so far to settle (a request cut short still gets its
         messages through `on_durable`)."""
