@@ -23,7 +23,8 @@ from qmq.client import ClientError, Delivery
 from qmq.client.deliveries import DEFAULT_PULL_MAX
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-STOP_CHECK_S = 0.25  # a stop request is seen within this long (plus the batch being printed)
+STOP_CHECK_S = 0.25  # a stop request is seen within this long (plus the batch being printed); the
+# cost: an idle tail asks each broker about four times a second
 
 
 @click.command("tail")
@@ -106,7 +107,7 @@ def _run(subscription: Any, count: int | None, timeout: float | None, stop: thre
     received = 0
     last_message_at = time.monotonic()
     while (count is None or received < count) and not stop.is_set():
-        wait_s = STOP_CHECK_S  # the long poll itself stays in flight between pulls
+        wait_s = STOP_CHECK_S  # each long poll is this short, so a stop is seen soon
         if timeout is not None:
             left = last_message_at + timeout - time.monotonic()
             if left <= 0:

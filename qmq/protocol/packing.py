@@ -1,8 +1,9 @@
 """msgpack encoding on the hot path: one `msgpack.Packer` per thread, reused.
 
 `msgpack.packb` builds a new Packer (and its buffer) on every call, which costs about twice the
-packing of a 1 KiB envelope; a Packer is not thread-safe, so each thread keeps its own. Same output
-as `msgpack.packb(obj, use_bin_type=True)`.
+packing of a 1 KiB envelope; a Packer is not thread-safe, so each thread keeps its own (and its buffer,
+as large as the largest frame it packed, at most a frame's limit). Same output as
+`msgpack.packb(obj, use_bin_type=True)`.
 """
 
 from __future__ import annotations

@@ -25,9 +25,12 @@ Written = list[tuple[Appended, Message]]  # where each message went, in log orde
 class _Group:
     """The writes of one loop iteration, appended together."""
 
-    __slots__ = ("end", "futures", "written")
+    __slots__ = ("end", "futures", "start", "written")
 
-    def __init__(self, end: int, written: list[Written], futures: list[asyncio.Future[list[Appended]]]) -> None:
+    def __init__(
+        self, start: int, end: int, written: list[Written], futures: list[asyncio.Future[list[Appended]]]
+    ) -> None:
+        self.start = start  # where its first message went
         self.end = end  # durable once the log is durable up to here
         self.written = written
         self.futures = futures
@@ -62,7 +65,7 @@ class GroupCommit:
         """The message-log offset before which every write appended so far was settled (its
         `on_durable` ran, or it failed): a reader of the log up to here never races `on_durable`."""
         if self._groups:
-            return self._groups[0].written[0][0][0].offset
+            return self._groups[0].start
         return self.store.end_offset
 
     async def close(self) -> None:
@@ -84,7 +87,7 @@ class GroupCommit:
         for batch, _ in waiting:
             written.append(list(zip(appended[i : i + len(batch)], batch, strict=True)))
             i += len(batch)
-        self._groups.append(_Group(appended[-1].end, written, [f for _, f in waiting]))
+        self._groups.append(_Group(appended[0].offset, appended[-1].end, written, [f for _, f in waiting]))
         if self.on_appended is not None:
             self.on_appended(messages)
         task = asyncio.get_running_loop().create_task(self._settle(appended[-1].end))
