@@ -158,3 +158,6 @@ class DelayDuty:
 
     def set_replicas(self, replicas: list[dict[str, Any]]) -> None:
         metrics.REPLICATION.set_replicas(replicas)
+
+    def mended(self, service: DelayService, messages: list[tuple[str, int]]) -> None:
+        pass  # the scheduler reads its buckets, not the message log: nobody waits on a damaged record

@@ -155,11 +155,15 @@ class Consuming:
 
             def read(cursor: int, count: int, stored: str = stored, fresh: dict = fresh) -> tuple[list[int], int]:
                 result = store.read(stored, cursor, count, tags=pull.tags, match_all=pull.match_all)
-                for record in result.records:
-                    fresh[record.seq] = record
+                records, next_seq = result.records, result.next_seq
                 if store.unreadable:
-                    self._dead_letter_unreadable(stored, pull.subject, pull.key, cursor, result.next_seq)
-                return [r.seq for r in result.records], result.next_seq
+                    held = store.damage.held_back(stored, cursor, next_seq)
+                    if held is not None:  # a group member's copy may mend it: wait there, skip nothing
+                        records, next_seq = [r for r in records if r.seq < held], held
+                    self._dead_letter_unreadable(stored, pull.subject, pull.key, cursor, next_seq)
+                for record in records:
+                    fresh[record.seq] = record
+                return [r.seq for r in records], next_seq
 
             handed, action = group.pull(pull.consumer, pull.pulled.get(stored, -1), remaining, read, now)
             if action is not None:

@@ -58,3 +58,6 @@ class BrokerDuty:
 
     def set_replicas(self, replicas: list[dict[str, Any]]) -> None:
         metrics.REPLICATION.set_replicas(replicas)
+
+    def mended(self, service: BrokerService, messages: list[tuple[str, int]]) -> None:
+        service.core.wake({subject for subject, _seq in messages})

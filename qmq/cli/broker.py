@@ -22,7 +22,11 @@ from qmq.cli.options import (
 from qmq.cli.time_options import DURATION
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS
 from qmq.store.followers import MAX_LAG_S
-from qmq.store.store import StoreError
+from qmq.store.message_log import DEFAULT_SEGMENT_BYTES
+from qmq.store.store import StoreConfig, StoreError
+
+MIB = 1024 * 1024
+MAX_SEGMENT_MIB = 1024  # the default is the largest tried
 
 ACK_REPLICAS_HELP = (
     "replicas that must hold a send durably before it is acknowledged [default: 1 when the group has a "
@@ -75,12 +79,20 @@ MAX_LAG = tuning("--max-lag", DURATION, f"{MAX_LAG_S:g}s", MAX_LAG_HELP)
 )
 @ACK_REPLICAS
 @MAX_LAG
+@click.option(
+    "--segment-mib",
+    type=click.IntRange(1, MAX_SEGMENT_MIB),
+    default=DEFAULT_SEGMENT_BYTES // MIB,
+    show_default=True,
+    help="size at which a message-log segment file is closed and the next begun (retention removes whole segments)",
+)
 @log_level_option("INFO", "DEBUG, INFO, WARNING or ERROR")
 def broker(data_dir: str, log_level: str, **settings: Any) -> None:
     """Run a broker: stores messages and serves them to consumer groups."""
     setup_logging(log_level, server=True)
     settings["token"] = settings["token"] or None
     settings["max_lag_s"] = settings.pop("max_lag").total_seconds()
+    settings["store_config"] = StoreConfig(segment_bytes=settings.pop("segment_mib") * MIB)
     try:
         run(data_dir, **settings)
     except StoreError as exc:

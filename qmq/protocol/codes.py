@@ -50,6 +50,9 @@ class RequestCode(IntEnum):
     # to the meta server: {"group", "address", "force"} -> {"group", "forgotten", "epoch", "master", "replicas"}:
     # a member gone for good leaves its group (`qmq admin group forget`)
     REPL_FORGET = 124
+    # to any member of a group: {"group", "start", "end"} -> {"data"}: its copy of whole records [start, end),
+    # CRC-checked, to mend a damaged region of the asker's log
+    REPL_READ = 125
 
     # Ordered subjects (docs/ordering.md); an ordered pull is a BROKER_PULL with "queues".
     BROKER_QUEUE_LOCK = 130  # {"subject", "group", "consumer", "queues", "release"} -> {"held", "members", ...}

@@ -39,6 +39,7 @@ from qmq.protocol.connection import Request
 from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.protocol.fields import body_of
 from qmq.replication.fetcher import Fetcher, ask_epoch_end
+from qmq.replication.mending import mend_damage, serve_copy
 from qmq.store import epochs as ep
 from qmq.store.followers import MAX_LAG_S, Followers, NotEnoughReplicas
 from qmq.store.replication import truncate_log
@@ -110,6 +111,10 @@ class Duty(Protocol):
         """Metrics of the replicas (a master's)."""
         ...
 
+    def mended(self, service: MasterService, messages: list[tuple[str, int]]) -> None:
+        """Damaged messages (subject, seq) were mended or given up: readers waiting there look again."""
+        ...
+
 
 @dataclass(frozen=True)
 class Wish:
@@ -147,6 +152,7 @@ class Roles:
         self.epoch = 0
         self.master: str | None = None
         self.epochs = ep.load(self.data_dir)
+        store.damage.mendable = replicated  # a damaged record may be copied from another member
         self.service: MasterService | None = None
         self.followers: Followers | None = None
         self.fetcher: Fetcher | None = None
@@ -162,6 +168,7 @@ class Roles:
         self._redo = False  # the fetcher asked to rejoin (truncation) even if the wish is the same
         self._transition: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
+        self._mending: asyncio.Task[None] | None = None
         self._reported_in_sync: set[str] = set()  # as the meta server last heard it
         self._last_unreachable_poke = 0.0
         self._handing_off_until = 0.0  # a manual failover stops sends until then (monotonic)
@@ -177,6 +184,8 @@ class Roles:
     async def close(self) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
+        if self._mending is not None:
+            self._mending.cancel()
         if self._transition is not None:
             self._transition.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -222,6 +231,8 @@ class Roles:
             await self._started.wait()  # listening already, recovering still: as before replication
         code = request.code
         service, followers = self.service, self.followers
+        if code == RequestCode.REPL_READ:  # any member with the bytes durable may mend another's damage
+            return await asyncio.to_thread(serve_copy, self.store, self.group, _body(request))
         if code == RequestCode.PING:  # answered whatever the role; counted by the service when there is one
             if service is not None:
                 return await service.handle(request, peer)
@@ -261,6 +272,12 @@ class Roles:
             "master": self.master,
             "log_end": self.store.end_offset,
             "durable": self.store.durable_offset,
+            # damaged message-log regions awaiting a mend from a member, and those mended or lost since start
+            "damage": {
+                "awaiting": sum(1 for r in self.store.damage.regions.values() if not r.lost),
+                "mended": self.store.damage.mended,
+                "lost": self.store.damage.lost,
+            },
         }
         if self.followers is not None and self.service is not None:
             self._update_read_only()  # what the stats say is what a send meets now
@@ -389,6 +406,7 @@ class Roles:
         self.epochs = ep.truncated(self.epochs, offset)
         await asyncio.to_thread(ep.save, self.data_dir, self.epochs)
         self.store = await asyncio.to_thread(LogStore, self.data_dir, self.config)
+        self.store.damage.mendable = self.replicated
         log.warning(
             "%s group %s: log cut back from %d to %d (%d bytes in quarantine/) to match the master",
             self.duty.kind,
@@ -540,6 +558,8 @@ class Roles:
         while True:
             await asyncio.sleep(TICK_S)  # a period: lag is a matter of time passing
             try:
+                if self.store.damage.regions and (self._mending is None or self._mending.done()):
+                    self._mending = asyncio.create_task(self._mend(), name="qmq-mending")
                 if self.followers is not None:
                     self.followers.check()
                     self._update_read_only()
@@ -549,6 +569,22 @@ class Roles:
                         self.membership.poke()
             except Exception:
                 log.exception("replication check failed")
+
+    async def _mend(self) -> None:
+        """Mend damaged records of the log from the members that hold them (mending.py): a master
+        asks its replicas that have them durable, a replica its master."""
+        if self.role is Role.MASTER and self.followers is not None:
+            peers = [r.address for r in self.followers.replicas.values() if r.address != self.address]
+            alone = not peers and self.members == 0
+        elif self.role is Role.REPLICA and self.master:
+            peers, alone = [self.master], False
+        else:
+            peers, alone = [], not self.replicated
+        settled = await mend_damage(
+            self.store, peers, alone=alone, group=self.group, token=self.token, client_id=f"mend-{self.address}"
+        )
+        if settled and self.service is not None:
+            self.duty.mended(self.service, settled)
 
 
 def _body(request: Request) -> dict[str, Any]:

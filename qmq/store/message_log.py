@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -114,6 +115,16 @@ class MessageLog:
                 return None
             segment = self.segments[i]
         return segment if offset < segment.end else None
+
+    def damage_end(self, offset: int) -> int:
+        """Where readable records resume after damage at `offset`: the next record that passes its
+        CRC in the same segment, or the segment's end."""
+        segment = self.segment_for(offset)
+        if segment is None:
+            return offset + 1
+        with mmap.mmap(segment.fd, segment.size, access=mmap.ACCESS_READ) as data:
+            resume = rec.find_next_valid(data, offset - segment.base, segment.base)
+        return segment.base + (resume if resume is not None else segment.size)
 
     def read_record(self, offset: int, size_hint: int = 4096) -> rec.Record:
         """The record at `offset`, checked against its CRC. Raises `RecordError` naming the offset."""

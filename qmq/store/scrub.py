@@ -23,7 +23,7 @@ log = logging.getLogger("qmq.store")
 SCRUB_BYTES_PER_S = 8 * 1024 * 1024  # pacing: about half of what one core checks (bench/store_scrub.py)
 SCRUB_STEP_BYTES = 1024 * 1024  # checked between pauses
 
-Report = Callable[[str, int, str], None]  # (segment file, offset, reason)
+Report = Callable[[str, int, int, str], None]  # (segment file, offset, end of the damage, reason)
 
 
 class Scrub:
@@ -73,8 +73,9 @@ class Scrub:
                     record = rec.decode(data, pos, segment.base)
                     pos += record.size
                 except rec.RecordError as exc:
-                    self.report(str(segment.path), exc.offset, exc.reason)
                     resume = rec.find_next_valid(data, pos, segment.base)
+                    end = segment.base + (resume if resume is not None else len(data))
+                    self.report(str(segment.path), exc.offset, end, exc.reason)
                     self.checked_bytes += (resume if resume is not None else len(data)) - pos
                     if resume is None:
                         return

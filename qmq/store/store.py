@@ -30,8 +30,9 @@ from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
 from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, DamagedEntry, Entry, pack_entry
 from qmq.store.cross_check import checkpoint_problem
+from qmq.store.damage import Damage
 from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
-from qmq.store.files import fsync_dir, read_json, write_json
+from qmq.store.files import fsync_dir, pwrite_all, read_json, write_json
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
@@ -131,6 +132,7 @@ class LogStore:
         self._out_of_space_since = 0.0
         self.unreadable: dict[tuple[str, int], str] = {}  # (subject, seq) -> where and why, found by reads
         self.damaged: list[tuple[str, int, str]] = []  # (segment file, offset, reason) found by the scrub
+        self.damage = Damage()  # the damaged regions, awaiting a mend from a group member or lost (damage.py)
         self._rebuilds = 0  # derived files rebuilt while open (metrics, tests)
         self._index_rebuilt_at = -1
         # Test hook (documented in docs/operating.md): called with what is about to be written; an
@@ -663,15 +665,17 @@ class LogStore:
             out.append(record if record.subject == subject and record.seq == e.seq else None)
         return out
 
-    def _report_damage(self, path: str, offset: int, reason: str) -> None:
-        """A damaged region of the message log found by the scrub (or a reader)."""
+    def _report_damage(self, path: str, offset: int, end: int, reason: str) -> None:
+        """A damaged region of the message log, [offset, end), found by the scrub."""
         with self._lock:
             self.damaged.append((path, offset, reason))
+            region = self.damage.add(offset, end, path, reason)
         log.error(
-            "damaged record in %s at offset %d: %s (readers skip it; `qmq log repair` quarantines it)",
+            "damaged record in %s at offset %d: %s (%s; `qmq log repair` quarantines it)",
             path,
             offset,
             reason,
+            "readers skip it" if region.lost else "to be mended from a group member",
         )
 
     def _report_unreadable(self, subject: str, seq: int, offset: int, reason: str) -> None:
@@ -681,8 +685,76 @@ class LogStore:
             return
         segment = self.message_log.segment_for(offset)
         where = f"{segment.path} offset {offset}" if segment is not None else f"offset {offset}"
-        self.unreadable[(subject, seq)] = f"{where}: {reason}"
-        log.error("message %r seq %d cannot be read (%s): %s; readers skip it", subject, seq, where, reason)
+        with self._lock:
+            self.unreadable[(subject, seq)] = f"{where}: {reason}"
+            mendable = segment is not None and not self._readable_at(offset)
+            if mendable:  # the message log's record is damaged, not only an entry pointing at it
+                self.damage.unreadable_at[(subject, seq)] = offset
+                region = self.damage.add(offset, self.message_log.damage_end(offset), str(segment.path), reason)
+                mendable = not region.lost
+        log.error(
+            "message %r seq %d cannot be read (%s): %s; %s",
+            subject,
+            seq,
+            where,
+            reason,
+            "to be mended from a group member" if mendable else "readers skip it",
+        )
+
+    def _readable_at(self, offset: int) -> bool:
+        try:
+            self.message_log.read_record(offset)
+        except rec.RecordError:
+            return False
+        return True
+
+    def mend(self, start: int, data: bytes) -> list[tuple[str, int]]:
+        """Write a group member's copy of the damaged region at `start` over it, once every record of
+        the copy passes its CRC and the copy fills the region exactly (a member's log is the same
+        bytes at the same offsets). Durable before this returns; the consume-log and index entries
+        of its records are written again. Returns the (subject, seq) of the messages it made readable
+        again. Raises `StoreError` if the copy does not fit."""
+        _pieces, records = split_chunk(data, start)  # ChunkError (a ValueError) for a bad copy
+        with self._lock:
+            region = self.damage.regions.get(start)
+            segment = self.message_log.segment_for(start)
+            if region is None or region.end != start + len(data) or segment is None or region.end > segment.end:
+                raise StoreError(f"a copy of {len(data)} bytes at offset {start} does not fill a damaged region")
+            try:
+                pwrite_all(segment.fd, data, start - segment.base)
+                os.fdatasync(segment.fd)
+            except OSError as exc:
+                self.write_failed(exc, "mending a damaged record")
+                raise StoreError(f"cannot mend offset {start}: {exc}") from exc
+            known = {o for r in records for o in self.index.find(rec.key_hash(r.message_id.encode()))}
+            for r in records:
+                if not r.is_blank:
+                    entry = pack_entry(r.offset, r.size, rec.tag_mask(r.tags) if r.tags else 0, r.store_ts)
+                    self._consume_log(r.subject).write(r.seq, entry)
+            pairs = []
+            for r in records:
+                if r.offset not in known:  # the index was rebuilt while the record was damaged
+                    pairs.append((rec.key_hash(r.message_id.encode()), r.offset))
+                    if r.key:
+                        pairs.append((rec.key_hash(r.key.encode(), r.subject.encode()), r.offset))
+            self.index.add(pairs)
+            hidden = self.damage.mend(region)
+            for key in hidden:
+                self.unreadable.pop(key, None)
+            self.damaged = [d for d in self.damaged if not region.start <= d[1] < region.end]
+        log.warning("damaged region %s..%d mended: %d records good again", region.where(), region.end, len(records))
+        return hidden
+
+    def lose(self, start: int, why: str) -> list[tuple[str, int]]:
+        """Give up the damaged region at `start`: its messages stay unreadable (the broker
+        dead-letters them). Returns their (subject, seq) as far as readers met them."""
+        with self._lock:
+            region = self.damage.regions.get(start)
+            if region is None:
+                return []
+            hidden = self.damage.lose(region)
+        log.error("damaged region %s..%d cannot be mended (%s): its messages are lost", region.where(), region.end, why)
+        return hidden
 
     def read_record(self, offset: int) -> rec.Record:
         return self.message_log.read_record(offset)
