@@ -6,7 +6,9 @@ docs/replication.md, "A damaged record"): real meta server and brokers, bytes fl
 - every copy damaged: after the give-up time the message becomes a dead letter naming the damage
   and the group moves on, as a broker alone does at once;
 - the replica's copy damaged in an old segment: its background scrub finds it after a restart and it
-  mends it from the master.
+  mends it from the master;
+- a new replica catching up meets a record damaged on the master (and nowhere else): the master cuts
+  it out (bytes to quarantine/, a blank record in their place) and the replica catches up past it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 from qmq.protocol.codes import RequestCode
 from qmq.store import record as rec
 from qmq.store.damage import MEND_GIVE_UP_S
-from tests.support.broker import RawConsumer, restart_broker, send
+from tests.support.broker import RawConsumer, restart_broker, send, start_broker
 from tests.support.databases import fresh_database
 from tests.support.replication import HOST, replication, start_member, start_meta, wait_for, wait_in_sync, wait_role
 
@@ -32,22 +34,30 @@ CONSUME_TIMEOUT_S = 60.0
 
 
 @pytest.fixture
-def group(processes, pg_url, tmp_path):
-    """A master and a replica of group g1 (1 MiB segments) holding COUNT acknowledged messages."""
+def meta(processes, pg_url):
     with fresh_database(pg_url) as url:
         _, port = start_meta(processes, url)
-        meta = f"{HOST}:{port}"
-        a = start_member(processes, tmp_path / "a", meta, "g1", "--segment-mib", "1", name="a")
-        wait_role(a, "master")
-        b = start_member(processes, tmp_path / "b", meta, "g1", "--segment-mib", "1", name="b")
-        wait_role(b, "replica")
-        wait_in_sync(a, b)
-        with a.connect() as conn:
-            for first in range(0, COUNT, 100):
-                reply = send(conn, SUBJECT, [f"m-{i:05d}" for i in range(first, first + 100)], payload=PAYLOAD)
-                assert reply["stored"] == 100, reply
-        wait_for(lambda: replication(b)["log_end"] == replication(a)["log_end"], "the replica to hold the whole log")
-        yield a, b
+        yield f"{HOST}:{port}"
+
+
+@pytest.fixture
+def group(processes, tmp_path, meta):
+    """A master and a replica of group g1 (1 MiB segments) holding COUNT acknowledged messages."""
+    a = start_member(processes, tmp_path / "a", meta, "g1", "--segment-mib", "1", name="a")
+    wait_role(a, "master")
+    b = start_member(processes, tmp_path / "b", meta, "g1", "--segment-mib", "1", name="b")
+    wait_role(b, "replica")
+    wait_in_sync(a, b)
+    fill(a)
+    wait_for(lambda: replication(b)["log_end"] == replication(a)["log_end"], "the replica to hold the whole log")
+    return a, b
+
+
+def fill(broker) -> None:
+    with broker.connect() as conn:
+        for first in range(0, COUNT, 100):
+            reply = send(conn, SUBJECT, [f"m-{i:05d}" for i in range(first, first + 100)], payload=PAYLOAD)
+            assert reply["stored"] == 100, reply
 
 
 def locate(data_dir: Path, message_id: str) -> tuple[Path, int, int]:
@@ -139,3 +149,29 @@ def test_the_replica_scrub_finds_damage_and_mends_it_from_the_master(processes, 
 
     assert path.read_bytes()[position : position + size] == good[0].read_bytes()[good[1] : good[1] + good[2]]
     assert replication(b)["damage"] == {"awaiting": 0, "mended": 1, "lost": 0}
+
+
+def test_a_new_replica_catches_up_past_a_record_damaged_on_the_master(processes, tmp_path, meta) -> None:
+    group_args = ("--meta", meta, "--group", "g1", "--max-lag", "1s", "--segment-mib", "1")
+    a = start_broker(processes, tmp_path / "a", *group_args, name="a")  # alone: acknowledges with no replica
+    wait_role(a, "master")
+    fill(a)
+    path, position, size = locate(a.data_dir, VICTIM)
+    flip_last_byte(path, position, size)
+    damaged = path.read_bytes()[position : position + size]
+
+    b = start_broker(processes, tmp_path / "b", *group_args, name="b")
+    wait_role(b, "replica")
+    wait_in_sync(a, b, timeout=MEND_GIVE_UP_S + 60)
+
+    [saved] = (a.data_dir / "quarantine").iterdir()
+    assert saved.read_bytes() == damaged
+    assert replication(a)["damage"] == {"awaiting": 0, "mended": 0, "lost": 1}
+    for segment in sorted((a.data_dir / "messagelog").iterdir()):  # byte for byte the same logs
+        assert (b.data_dir / "messagelog" / segment.name).read_bytes() == segment.read_bytes()
+    assert "fails its checks" in b.proc.log_path.read_text()
+
+    ids = consume_all(a, COUNT - 1)
+    assert ids == [f"m-{i:05d}" for i in range(COUNT) if f"m-{i:05d}" != VICTIM]
+    [letter] = dead_letters(a)
+    assert letter["id"] == f"unreadable:{SUBJECT}:10" and "cut out as damaged" in letter["reason"], letter

@@ -77,6 +77,7 @@ class Fetcher:
         self.on_durable = on_durable
         self.wait_ms = wait_ms
         self.master_end = 0  # the master's log end in its last reply
+        self.damaged_at: int | None = None  # a record of the master's that failed its CRC here: told in the next fetch
         self.fetches = 0
         self._task: asyncio.Task[None] | None = None
         self._conn: AsyncConnection | None = None
@@ -114,6 +115,7 @@ class Fetcher:
                 self.on_unreachable()  # the meta server may have promoted someone: ask it now
             except ChunkError as exc:
                 log.error("master %s sent a chunk that fails its checks, fetching it again: %s", self.master, exc)
+                self.damaged_at = exc.offset  # the master mends its copy, or cuts it out (mending.py)
             failures += 1
             await asyncio.sleep(RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1])
 
@@ -136,6 +138,8 @@ class Fetcher:
             "max_bytes": CATCH_UP_CHUNK_BYTES if behind else DEFAULT_CHUNK_BYTES,
             "wait_ms": 0 if behind else self.wait_ms,
         }
+        if self.damaged_at is not None:
+            body["damaged_at"] = self.damaged_at
         reply = await self._conn.request(RequestCode.REPL_FETCH, body, timeout=self.wait_ms / 1000 + REPLY_GRACE_S)
         self.fetches += 1
         data = reply.get("data") or b""
@@ -145,6 +149,7 @@ class Fetcher:
                 end = self.store.append_replicated(bytes(data), offset)
             else:
                 end = await asyncio.to_thread(self.store.append_replicated, bytes(data), offset)
+            self.damaged_at = None
             await self.store.flushed(end)  # durable before the next fetch reports it
             if self.on_durable is not None:
                 await self.on_durable(end)

@@ -189,6 +189,9 @@ class Followers:
         if offset < 0 or max_bytes <= 0 or wait_ms < 0:
             raise bad("offset, max_bytes and wait_ms must not be negative")
         self._check_epoch(epoch)
+        damaged_at = field(body, "damaged_at", int, None)
+        if damaged_at is not None:  # our record there failed the replica's CRC check
+            self.store.note_damage(damaged_at, f"found by replica {replica}")
         end = self.store.end_offset
         if offset > end:
             raise RemoteError(

@@ -31,7 +31,12 @@ DERIVED_DIRS = ("consumelog", "index", "checkpoint")  # rebuilt from the message
 
 
 class ChunkError(ValueError):
-    """A replicated chunk that cannot be trusted: not whole records, or a record fails its CRC."""
+    """A replicated chunk that cannot be trusted: not whole records, or a record fails its CRC
+    (`offset`: the log offset of the record that failed, when one did)."""
+
+    def __init__(self, message: str, offset: int | None = None) -> None:
+        super().__init__(message)
+        self.offset = offset
 
 
 def whole_prefix(data: bytes) -> int:
@@ -67,7 +72,7 @@ def split_chunk(data: bytes, offset: int) -> tuple[list[bytes], list[rec.Record]
         try:
             record = rec.decode(data, position, offset)
         except rec.RecordError as exc:
-            raise ChunkError(f"replicated chunk at offset {offset}: {exc}") from None
+            raise ChunkError(f"replicated chunk at offset {offset}: {exc}", exc.offset) from None
         records.append(record)
         pieces.append(bytes(view[position : position + record.size]))
         position += record.size

@@ -30,7 +30,7 @@ from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
 from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, DamagedEntry, Entry, pack_entry
 from qmq.store.cross_check import checkpoint_problem
-from qmq.store.damage import Damage
+from qmq.store.damage import Damage, DamagedRegion
 from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
 from qmq.store.files import fsync_dir, pwrite_all, read_json, write_json
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
@@ -644,6 +644,9 @@ class LogStore:
                 None,
             )
             if wrong is None:
+                if any(r.is_blank for r in found):  # cut out as damaged while open (`lose`)
+                    pairs = zip(entries, found, strict=True)
+                    return [self._cut_out_message(subject, e) if r.is_blank else r for e, r in pairs]
                 return list(found)
         except rec.RecordError as exc:
             wrong = f"consume log of {subject!r}: {exc}"
@@ -687,11 +690,10 @@ class LogStore:
         where = f"{segment.path} offset {offset}" if segment is not None else f"offset {offset}"
         with self._lock:
             self.unreadable[(subject, seq)] = f"{where}: {reason}"
-            mendable = segment is not None and not self._readable_at(offset)
-            if mendable:  # the message log's record is damaged, not only an entry pointing at it
+            region = self._note_region(offset, reason)
+            if region is not None:
                 self.damage.unreadable_at[(subject, seq)] = offset
-                region = self.damage.add(offset, self.message_log.damage_end(offset), str(segment.path), reason)
-                mendable = not region.lost
+            mendable = region is not None and not region.lost
         log.error(
             "message %r seq %d cannot be read (%s): %s; %s",
             subject,
@@ -701,12 +703,33 @@ class LogStore:
             "to be mended from a group member" if mendable else "readers skip it",
         )
 
-    def _readable_at(self, offset: int) -> bool:
+    def _cut_out_message(self, subject: str, entry: Entry) -> None:
+        self._report_unreadable(subject, entry.seq, entry.offset, "cut out as damaged, its bytes are in quarantine/")
+
+    def _note_region(self, offset: int, reason: str) -> DamagedRegion | None:
+        """The damaged region starting at `offset`, noted in `damage`, if the message log's record
+        there really fails its checks (not only an entry pointing at it); else None."""
+        segment = self.message_log.segment_for(offset)
+        if segment is None:
+            return None
         try:
             self.message_log.read_record(offset)
+            return None
         except rec.RecordError:
-            return False
-        return True
+            pass
+        return self.damage.add(offset, self.message_log.damage_end(offset), str(segment.path), reason)
+
+    def note_damage(self, offset: int, how: str) -> None:
+        """Another member found our record at `offset` damaged (a replica's CRC check): note the
+        region, to be mended or cut out, unless the record is good here (then the copy was damaged
+        on its way and the replica fetches it again)."""
+        if not self.start_offset <= offset < self.durable_offset:
+            return
+        with self._lock:
+            known = self.damage.covering(offset) is not None
+            region = self._note_region(offset, how)
+        if region is not None and not known:
+            log.error("damaged record in %s (%s): %s", region.where(), how, "to be mended from a group member")
 
     def mend(self, start: int, data: bytes) -> list[tuple[str, int]]:
         """Write a group member's copy of the damaged region at `start` over it, once every record of
@@ -746,15 +769,41 @@ class LogStore:
         return hidden
 
     def lose(self, start: int, why: str) -> list[tuple[str, int]]:
-        """Give up the damaged region at `start`: its messages stay unreadable (the broker
-        dead-letters them). Returns their (subject, seq) as far as readers met them."""
+        """Give up the damaged region at `start`: its bytes go to `quarantine/` and a blank record of
+        the same size takes their place (as `qmq log repair` does), so the log reads and replicates
+        past it with every offset kept; its messages stay unreadable (the broker dead-letters them).
+        Returns their (subject, seq) as far as readers met them."""
         with self._lock:
             region = self.damage.regions.get(start)
             if region is None:
                 return []
             hidden = self.damage.lose(region)
-        log.error("damaged region %s..%d cannot be mended (%s): its messages are lost", region.where(), region.end, why)
+            saved = self._cut_out(region)
+        log.error(
+            "damaged region %s..%d cannot be mended (%s): its messages are lost%s",
+            region.where(),
+            region.end,
+            why,
+            f"; its bytes are in {saved}" if saved else "",
+        )
         return hidden
+
+    def _cut_out(self, region: DamagedRegion) -> Path | None:
+        """Cover `region` with a blank record, its bytes saved to quarantine/ (None if it cannot be)."""
+        segment = self.message_log.segment_for(region.start)
+        size = region.end - region.start
+        if segment is None or region.end > segment.end or size < rec.HEADER_SIZE:
+            return None
+        saved = self.data_dir / "quarantine" / f"{segment.path.name}.{region.start:020d}.bad"
+        try:
+            saved.parent.mkdir(exist_ok=True)
+            saved.write_bytes(segment.read(region.start - segment.base, size))
+            pwrite_all(segment.fd, rec.encode_blank(size), region.start - segment.base)
+            os.fdatasync(segment.fd)
+        except OSError as exc:
+            self.write_failed(exc, "cutting out a damaged record")
+            return None
+        return saved
 
     def read_record(self, offset: int) -> rec.Record:
         return self.message_log.read_record(offset)
