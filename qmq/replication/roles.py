@@ -274,7 +274,7 @@ class Roles:
             "durable": self.store.durable_offset,
             # damaged message-log regions awaiting a mend from a member, and those mended or lost since start
             "damage": {
-                "awaiting": sum(1 for r in self.store.damage.regions.values() if not r.lost),
+                "awaiting": self.store.damage.pending,
                 "mended": self.store.damage.mended,
                 "lost": self.store.damage.lost,
             },
@@ -558,7 +558,7 @@ class Roles:
         while True:
             await asyncio.sleep(TICK_S)  # a period: lag is a matter of time passing
             try:
-                if self.store.damage.regions and (self._mending is None or self._mending.done()):
+                if self.store.damage.pending and (self._mending is None or self._mending.done()):
                     self._mending = asyncio.create_task(self._mend(), name="qmq-mending")
                 if self.followers is not None:
                     self.followers.check()

@@ -72,6 +72,11 @@ class Damage:
                 return region
         return None
 
+    @property
+    def pending(self) -> int:
+        """Regions still to be mended."""
+        return sum(1 for r in self.regions.values() if not r.lost)
+
     def awaiting(self, now: float) -> list[DamagedRegion]:
         """Regions still to be mended whose next attempt is due."""
         return [r for r in self.regions.values() if not r.lost and r.next_try <= now]
