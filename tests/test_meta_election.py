@@ -79,14 +79,24 @@ def test_only_the_lease_holder_decides_and_another_takes_over_when_it_lapses(eng
     assert first.sweep() == []  # meta-1 back: not the holder, and nothing left to do
 
 
-def test_a_master_back_with_a_wiped_log_is_replaced_at_once(engine, clock) -> None:
+def test_a_master_back_with_a_wiped_log_is_not_made_master_again(engine, clock) -> None:
     e = election(engine, clock, "meta-1")
     e.report("a:1", "g1", "master", 1, 1000, ["b:1"])
     e.report("b:1", "g1", "replica", 1, 1000, None)
     clock.advance(1)
-    e.report("a:1", "g1", "pending", 0, 0, None)  # restarted on an empty disk before any failover
-    [failover] = e.sweep()
-    assert (failover.epoch, failover.master) == (2, "b:1")
+    back = e.report("a:1", "g1", "pending", 0, 0, None)  # its first report after a restart on an empty disk
+    assert (back.epoch, back.master, back.role_of("a:1")) == (2, "b:1", "replica")
+    e.report("a:1", "g1", "replica", 2, 0, None)  # it follows: no report of its can empty the in-sync list
+    assert e.assignment("g1").master == "b:1" and e.sweep() == []
+
+
+def test_a_master_back_with_its_whole_log_stays_master(engine, clock) -> None:
+    e = election(engine, clock, "meta-1")
+    e.report("a:1", "g1", "master", 1, 1000, ["b:1"])
+    e.report("b:1", "g1", "replica", 1, 1000, None)
+    clock.advance(1)
+    back = e.report("a:1", "g1", "pending", 0, 1000, None)  # restarted, its disk intact
+    assert (back.epoch, back.master) == (1, "a:1")
 
 
 def test_a_manual_switch_picks_an_in_sync_replica(engine, clock) -> None:

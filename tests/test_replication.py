@@ -249,3 +249,23 @@ def test_admin_failover_switches_the_master_by_hand_while_a_producer_runs(proces
     producer.join(timeout=120)
     assert producer.error is None and len(set(producer.acked)) == 1_500
     assert set(consume(meta, set(producer.acked))) >= set(producer.acked)
+
+
+def test_master_back_on_a_wiped_disk_before_the_failover_is_not_master_again(processes, tmp_path, meta) -> None:
+    a, b = start_group(processes, tmp_path, meta)
+    with a.connect() as conn:
+        for first in range(0, 1000, BATCH):
+            reply = send(conn, SUBJECT, [f"w-{i:05d}" for i in range(first, first + BATCH)])
+            assert reply["stored"] == BATCH, reply
+    wait_for(lambda: replication(b)["log_end"] == replication(a)["log_end"], "the replica to hold the whole log")
+    meta_in_sync(meta, "g1", b)
+    processes.kill(a.proc, signal.SIGKILL)
+    shutil.rmtree(a.data_dir)
+    a = restart_broker(processes, a, name="a-wiped")  # back at once: well within --failover-after
+
+    promoted = wait_role(b, "master", epoch=2)
+    wait_role(a, "replica", epoch=2)
+    wait_in_sync(b, a)
+    assert promoted["log_end"] == replication(a)["log_end"] > 0
+    consumed = consume(meta, {f"w-{i:05d}" for i in range(1000)})
+    assert {f"w-{i:05d}" for i in range(1000)} <= set(consumed)

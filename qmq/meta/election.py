@@ -140,6 +140,8 @@ class Election:
             log.info("group %s: %s is master, epoch 1 (first to register)", group, address)
             peers = self._peers(conn, group, address)
             return Assignment(group, 1, address, len(peers), peers)
+        if row.master == address and role != "master":
+            row = self._replace_if_log_lost(conn, now, row, log_end)
         if row.master == address and role == "master" and epoch == row.epoch and in_sync is not None:
             listed = ",".join(sorted(in_sync))
             if listed != row.in_sync:
@@ -150,6 +152,31 @@ class Election:
                 )
         peers = self._peers(conn, group, address)
         return Assignment(group, row.epoch, row.master, len(peers), peers)
+
+    def _replace_if_log_lost(self, conn: Connection, now: datetime, row, log_end: int):
+        """The master on record reports before it serves (it restarted): if a live in-sync replica
+        has more of the log (its disk was wiped, or a crash lost its page cache), promote that
+        replica now, before this answer could make the short log master and its next report empty
+        the in-sync list. Returns the group's row as it is now."""
+        best = self._best_in_sync(conn, now, row)
+        if best is None or best.log_end <= log_end:
+            return row
+        reason = f"the master came back with log end {log_end}, an in-sync replica has {best.log_end}"
+        failover = self._promote(conn, now, row, reason)
+        if failover is None:
+            return row
+        log.warning(
+            "group %s: failover to %s, epoch %d (log end %d): %s (old master %s)",
+            failover.group,
+            failover.master,
+            failover.epoch,
+            failover.log_end,
+            failover.reason,
+            failover.old_master,
+        )
+        return conn.execute(
+            sa.select(schema.replication).where(schema.replication.c.group_name == row.group_name)
+        ).one()
 
     def _peers(self, conn: Connection, group: str, address: str) -> tuple[str, ...]:
         """The other members of `group` (every server that reported and was not forgotten)."""
