@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qmq.client.consuming import ACK_TIMEOUT_S, SubscriptionCore, pull_retry_delay_s
+from qmq.client.consuming import ACK_TIMEOUT_S, SubscriptionCore, pull_retry_delay_s, update_slots
 from qmq.client.core import ClientCore
 from qmq.client.deliveries import PULL_REPLY_GRACE_S, AckTracker, SubscribeOptions, SubscriptionState
 from qmq.client.errors import ClientError, ConnectFailed, InvalidMessage, MetaUnreachable
@@ -393,6 +393,20 @@ def test_send_job_merges_stored_and_rejected() -> None:
     assert results[0].group == "g1" and results[0].message_id == job.messages[0].id
     assert results[1].error_code == ErrorCode.MESSAGE_TOO_LARGE and "too big" in results[1].error
     assert results[3].error.startswith("BAD_REQUEST")
+
+
+def test_a_send_names_the_epoch_the_meta_server_gave_its_group() -> None:
+    """A replicated group's batch carries its epoch, so a deposed master refuses it; a group without
+    one (not replicated) gets the body as before."""
+    job = SendJob(messages(20))
+    batches = job.plan({"s": route({**G1, "master": "127.0.0.1:1", "epoch": 3}, G2)})
+    by_group = {b.group: b.body for b in batches}
+    assert by_group["g1"]["epoch"] == 3 and "epoch" not in by_group["g2"]
+    assert len(by_group["g1"]["messages"]) + len(by_group["g2"]["messages"]) == 20
+    delayed = SendJob([OutgoingMessage("s", "later", deliver_at=int(time.time() * 1000) + 60_000)])
+    delay_route = parse_route("s", {"groups": [G1], "delay_servers": [{"address": "127.0.0.1:9", "epoch": 4}]})
+    [batch_] = delayed.plan({"s": delay_route})
+    assert batch_.code == RequestCode.DELAY_SEND and batch_.body["epoch"] == 4
 
 
 def test_send_job_reports_invalid_messages_without_sending_them() -> None:
@@ -776,6 +790,26 @@ def test_acks_go_out_beside_the_next_long_poll_not_before_it() -> None:
     assert finish(flush) is None
     assert not subscription._state.is_current(deliveries[0])  # the broker delivers them again
     pull_reply.set_result({"batches": []})
+
+
+def test_pulls_acks_and_heartbeats_name_the_epoch_of_their_group() -> None:
+    subscription = subscribed(A)
+    update_slots(
+        subscription._slots, parse_route("order.created", {"groups": [{"name": A, "addresses": [A], "epoch": 7}]})
+    )
+    loop = subscription.pull(10, 0)
+    start = next(loop)
+    assert start.call.code == RequestCode.BROKER_PULL and start.call.body["epoch"] == 7
+    loop.send(done({"batches": [batch("order.created", 0, ["m1"])]}))
+    [delivery] = finish(loop)
+    subscription._finish(delivery)
+    flush = subscription.flush()
+    [ack] = next(flush).calls
+    assert ack.code == RequestCode.BROKER_ACK and ack.body["epoch"] == 7
+    finish(flush, [{}])
+    beat = subscription.heartbeat()
+    [heartbeat] = next(beat).calls
+    assert heartbeat.code == RequestCode.BROKER_HEARTBEAT and heartbeat.body["epoch"] == 7
 
 
 def test_prefetch_puts_the_next_pull_in_flight_before_handing_out_a_reply() -> None:

@@ -30,6 +30,7 @@ from tests.support.replication import (
     MAX_LAG,
     admin_failover,
     meta_in_sync,
+    meta_request,
     replication,
     start_meta,
     wait_for,
@@ -162,6 +163,8 @@ def test_admin_failover_hands_a_delay_group_to_its_replica_which_fires_what_the_
     with Client(meta=meta) as producer:
         send_all(producer, messages)  # to the master, a
         admin_failover(meta, "delay:d1", a, b)
+        route = meta_request(meta, RequestCode.META_ROUTE, {"subject": SUBJECT})
+        assert [(s["address"], s.get("epoch")) for s in route["delay_servers"]] == [(b.address, 2)]  # clients name it
         later = [OutgoingMessage(SUBJECT, {"n": i}, deliver_at=due_ms + i) for i in range(200, 300)]
         send_all(producer, later)  # the client follows the route to b
     ids = {m.id for m in messages + later}

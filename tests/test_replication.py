@@ -24,7 +24,7 @@ from tests.support.replication import (
     admin_failover,
     meta_in_sync,
     replication,
-    start_member,
+    start_group,
     start_meta,
     wait_for,
     wait_in_sync,
@@ -42,16 +42,6 @@ def meta(processes, pg_url):
     with fresh_database(pg_url) as url:
         _, port = start_meta(processes, url)
         yield f"{HOST}:{port}"
-
-
-def start_group(processes, tmp_path, meta):
-    a = start_member(processes, tmp_path / "a", meta, "g1", name="a")
-    wait_role(a, "master")
-    b = start_member(processes, tmp_path / "b", meta, "g1", name="b")
-    wait_role(b, "replica")
-    wait_in_sync(a, b)
-    meta_in_sync(meta, "g1", b)
-    return a, b
 
 
 class Producer(threading.Thread):

@@ -28,7 +28,7 @@ from qmq.client.deliveries import (
     SubscriptionState,
 )
 from qmq.client.errors import ClientError
-from qmq.client.routes import Route, RouteGroup, no_route_error
+from qmq.client.routes import Route, RouteGroup, no_route_error, with_epoch
 from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Steps, WaitAll, WaitAny, outcome
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
@@ -244,7 +244,10 @@ class SubscriptionCore:
         if acks:
             addresses = list(acks)
             replies = yield Calls(
-                [Call(a, RequestCode.BROKER_ACK, {"acks": acks[a]}, ACK_TIMEOUT_S) for a in addresses]
+                [
+                    Call(a, RequestCode.BROKER_ACK, self._with_epoch({"acks": acks[a]}, a), ACK_TIMEOUT_S)
+                    for a in addresses
+                ]
             )
             for address, reply in zip(addresses, replies, strict=True):
                 self._ack_answered(address, acks[address], reply)
@@ -270,7 +273,9 @@ class SubscriptionCore:
         if not bodies:
             return
         addresses = list(bodies)
-        replies = yield Calls([Call(a, RequestCode.BROKER_HEARTBEAT, bodies[a], ACK_TIMEOUT_S) for a in addresses])
+        replies = yield Calls(
+            [Call(a, RequestCode.BROKER_HEARTBEAT, self._with_epoch(bodies[a], a), ACK_TIMEOUT_S) for a in addresses]
+        )
         for address, reply in zip(addresses, replies, strict=True):
             if isinstance(reply, BaseException):
                 log.warning("heartbeat to %s failed: %s", address, reply)
@@ -303,9 +308,15 @@ class SubscriptionCore:
             acks = self._state.take_acks()
             self._last_flush = time.monotonic()
         for address, entries in acks.items():
-            handle = yield Start(Call(address, RequestCode.BROKER_ACK, {"acks": entries}, ACK_TIMEOUT_S))
+            body = self._with_epoch({"acks": entries}, address)
+            handle = yield Start(Call(address, RequestCode.BROKER_ACK, body, ACK_TIMEOUT_S))
             with self._lock:
                 self._acks_in_flight.append(AcksInFlight(address, entries, handle, time.monotonic() + ACK_TIMEOUT_S))
+
+    def _with_epoch(self, body: dict[str, Any], address: str) -> dict[str, Any]:
+        """`body` for the broker at `address`, with the epoch of its group when replicated."""
+        group = next((s.group for s in list(self._slots.values()) if address in s.group.addresses), None)
+        return with_epoch(body, group)
 
     def _settle_acks(self) -> None:
         """Look at the answers of the acknowledgements in flight that came."""
@@ -385,7 +396,7 @@ class SubscriptionCore:
                 continue
             address = slot.group.addresses[0]
             with self._lock:
-                body = self._state.pull_request(address, max_count, wait_s)
+                body = with_epoch(self._state.pull_request(address, max_count, wait_s), slot.group)
                 generation = self._state.generation(address)
             handle = yield Start(Call(address, RequestCode.BROKER_PULL, body, wait_s + PULL_REPLY_GRACE_S))
             slot.sent(handle, address, now + wait_s, generation)

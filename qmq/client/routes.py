@@ -54,6 +54,8 @@ class RouteGroup:
     addresses: tuple[str, ...]
     available: bool = True
     read_only: bool = False
+    # A replicated group's epoch as the meta server last named it (0: not replicated, or unknown).
+    epoch: int = 0
 
     @property
     def writable(self) -> bool:
@@ -96,13 +98,28 @@ def parse_route(subject: str, reply: dict[str, Any]) -> Route:
                 addresses=tuple(str(a) for a in item.get("addresses") or ()),
                 available=bool(item.get("available", True)),
                 read_only=bool(item.get("read_only", False)),
+                epoch=int(item.get("epoch") or 0),
             )
         )
     delay_servers = tuple(
-        RouteGroup(str(item["address"]), (str(item["address"]),), bool(item.get("available", True)))
+        RouteGroup(
+            str(item["address"]),
+            (str(item["address"]),),
+            bool(item.get("available", True)),
+            epoch=int(item.get("epoch") or 0),
+        )
         for item in reply.get("delay_servers") or ()
     )
     return Route(subject, tuple(groups), delay_servers)
+
+
+def with_epoch(body: dict[str, Any], group: RouteGroup | None) -> dict[str, Any]:
+    """A request body for `group` carrying the epoch the client knows for it, so that a deposed
+    master that still runs refuses it (NOT_MASTER) instead of acknowledging it
+    (docs/replication.md, Fencing). Bodies for groups without an epoch are left as they are."""
+    if group is None or not group.epoch:
+        return body
+    return {**body, "epoch": group.epoch}
 
 
 def static_route(subject: str, brokers: Sequence[str], delay_servers: Sequence[str] = ()) -> Route:

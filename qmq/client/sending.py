@@ -19,7 +19,7 @@ from typing import Any
 
 from qmq.client.errors import ClientError, InvalidMessage, MetaUnreachable, error_name
 from qmq.client.messages import OutgoingMessage, SendResult, now_ms
-from qmq.client.routes import Route, RouteBook, RouteGroup
+from qmq.client.routes import Route, RouteBook, RouteGroup, with_epoch
 from qmq.client.steps import Call, Calls, Sleep, Steps
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
@@ -281,7 +281,7 @@ class SendJob:
             group.name,
             group.addresses,
             indices,
-            {"messages": [self.wires[i] for i in indices]},
+            with_epoch({"messages": [self.wires[i] for i in indices]}, group),
             RequestCode.DELAY_SEND if delayed else RequestCode.BROKER_SEND,
         )
 

@@ -64,6 +64,7 @@ class ServerState:
     unregistered_at: datetime | None
     external_address: str | None = None  # for clients outside the servers' network
     serves: bool = True  # takes client requests: not a replica of a replicated delay-server group
+    epoch: int = 0  # the epoch of the replicated delay-server group it is master of
 
     @property
     def outside_address(self) -> str:
@@ -139,6 +140,7 @@ class Route:
             "groups": [g.to_wire() for g in self.groups],
             "delay_servers": [
                 {"address": s.address, "external_address": s.outside_address, "available": s.available}
+                | ({"epoch": s.epoch} if s.epoch else {})
                 for s in self.delay_servers
             ],
         }
@@ -325,7 +327,7 @@ class Registry:
 
     def _servers(self, conn: Connection, now: datetime) -> list[ServerState]:
         rows = conn.execute(sa.select(schema.server).order_by(schema.server.c.address)).all()
-        replicas = self._delay_replicas(conn)
+        replicas, epochs = self._delay_roles(conn)
         return [
             ServerState(
                 address=row.address,
@@ -337,25 +339,29 @@ class Registry:
                 unregistered_at=as_utc(row.unregistered_at) if row.unregistered_at is not None else None,
                 external_address=row.external_address,
                 serves=row.address not in replicas,
+                epoch=epochs.get(row.address, 0),
             )
             for row in rows
         ]
 
-    def _delay_replicas(self, conn: Connection) -> set[str]:
+    def _delay_roles(self, conn: Connection) -> tuple[set[str], dict[str, int]]:
         """Delay servers that are replicas in a replicated group (qmq.meta.election keys those groups
-        `delay:NAME`): they answer NOT_MASTER, so routes leave them out; the master stays in."""
+        `delay:NAME`): they answer NOT_MASTER, so routes leave them out; the master stays in, with
+        its group's epoch (given to clients, which name it in their requests)."""
         delay_groups = schema.replication.c.group_name.like(f"{DELAY_GROUP_PREFIX}%")
-        masters = dict(
-            conn.execute(
-                sa.select(schema.replication.c.group_name, schema.replication.c.master).where(delay_groups)
-            ).all()
-        )
+        rows = conn.execute(
+            sa.select(schema.replication.c.group_name, schema.replication.c.master, schema.replication.c.epoch).where(
+                delay_groups
+            )
+        ).all()
+        masters = {r.group_name: r.master for r in rows}
         members = conn.execute(
             sa.select(schema.replica.c.address, schema.replica.c.group_name).where(
                 schema.replica.c.group_name.like(f"{DELAY_GROUP_PREFIX}%")
             )
         )
-        return {r.address for r in members if masters.get(r.group_name) != r.address}
+        replicas = {r.address for r in members if masters.get(r.group_name) != r.address}
+        return replicas, {r.master: r.epoch for r in rows}
 
     def _groups(self, conn: Connection, now: datetime) -> dict[str, GroupState]:
         servers = [s for s in self._servers(conn, now) if s.kind == "broker"]

@@ -18,7 +18,8 @@ a newer epoch. Becoming a replica, a server asks the master where its own last e
 (REPL_EPOCH_END) and cuts its log back to that (the cut bytes go to quarantine/, the server's own
 state is cut too, `Duty.truncated`, and every derived file rebuilt). A master that has not heard
 from the meta server for half of `failover_after` fences itself: it acknowledges no send, since a
-replica may be taking over. Each change is logged in one line with the epoch and the log offsets.
+replica may be taking over; nor for a client that names a newer epoch than its own (NOT_MASTER).
+Each change is logged in one line with the epoch and the log offsets.
 """
 
 from __future__ import annotations
@@ -250,10 +251,28 @@ class Roles:
             return await followers.epoch_end(_body(request))
         if code == RequestCode.REPL_HANDOFF and followers is not None:
             return await self._handoff(followers, _body(request))
+        if self.replicated:
+            self._check_client_epoch(request.body)
         reply = await service.handle(request, peer)
         if code == self.duty.stats_code and reply is not None:
             reply["replication"] = self.replication_stats()
         return reply
+
+    def _check_client_epoch(self, body: Any) -> None:
+        """A client that names a newer epoch than this master's learned of a failover this server
+        has not heard of yet: this server may be deposed, so it acknowledges nothing for that client
+        (NOT_MASTER, the client asks for the route again) and asks the meta server at once. An older
+        epoch is only a stale route, and is served."""
+        claimed = body.get("epoch") if isinstance(body, dict) else None
+        if type(claimed) is not int or claimed <= self.epoch:
+            return
+        if self.membership is not None:
+            self.membership.poke()
+        raise RemoteError(
+            ErrorCode.NOT_MASTER,
+            f"{self.duty.kind} {self.address} serves epoch {self.epoch} of group {self.group}, "
+            f"the client knows epoch {claimed}: ask the meta server for the group's master",
+        )
 
     def stats(self) -> dict[str, Any]:
         """The stats of a server that is not master: who it is and how far its log goes."""

@@ -82,13 +82,18 @@ def wait_role(broker: Broker, role: str, timeout: float = 60.0, epoch: int | Non
     return wait_for(check, f"{broker.address} to be {role}", timeout)
 
 
+def meta_request(meta: str, code: int, body: dict[str, Any]) -> dict[str, Any]:
+    """One request to the first meta server of `meta` (they share the database: any of them knows)."""
+    host, port = meta.split(",")[0].rsplit(":", 1)
+    with BlockingConnection.open(host, int(port), client_id="repl-test", token="") as conn:
+        return conn.request(code, body)
+
+
 def meta_in_sync(meta: str, group: str, replica: Broker, timeout: float = 30.0) -> None:
     """Wait until the meta server heard from the master that `replica` is in sync (so it may promote it)."""
-    host, port = meta.split(",")[0].rsplit(":", 1)  # the database is shared: any of them knows
 
     def check():
-        with BlockingConnection.open(host, int(port), client_id="repl-test", token="") as conn:
-            listing = conn.request(RequestCode.META_LIST, {})["replication"]
+        listing = meta_request(meta, RequestCode.META_LIST, {})["replication"]
         return any(g["group"] == group and replica.address in g["in_sync"] for g in listing)
 
     wait_for(check, f"the meta server to know {replica.address} is in sync", timeout)
@@ -123,3 +128,14 @@ def admin_failover(meta: str, group: str, old: Broker, new: Broker) -> dict[str,
     assert replication(new)["role"] == "master"
     wait_role(old, "replica", epoch=2)
     return switched
+
+
+def start_group(processes, tmp_path: Path, meta: str, group: str = "g1") -> tuple[Broker, Broker]:
+    """A master (a) and an in-sync replica (b) of `group`, the meta server knowing b in sync."""
+    a = start_member(processes, tmp_path / "a", meta, group, name="a")
+    wait_role(a, "master")
+    b = start_member(processes, tmp_path / "b", meta, group, name="b")
+    wait_role(b, "replica")
+    wait_in_sync(a, b)
+    meta_in_sync(meta, group, b)
+    return a, b
