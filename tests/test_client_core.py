@@ -21,7 +21,7 @@ from qmq.client.consuming import ACK_TIMEOUT_S, SubscriptionCore, pull_retry_del
 from qmq.client.core import ClientCore
 from qmq.client.deliveries import PULL_REPLY_GRACE_S, AckTracker, SubscribeOptions, SubscriptionState
 from qmq.client.errors import ClientError, ConnectFailed, InvalidMessage, MetaUnreachable
-from qmq.client.messages import OutgoingMessage, SendError
+from qmq.client.messages import OutgoingMessage, SendError, check_message
 from qmq.client.routes import META_TIMEOUT_S, RouteBook, RouteCache, parse_address, parse_route, static_route
 from qmq.client.sending import RETRY_DELAY_S, GroupHealth, SendJob, choose_group
 from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, WaitAll, WaitAny
@@ -376,6 +376,20 @@ def test_to_wire_wraps_the_body_in_the_envelope() -> None:
         OutgoingMessage("s", b"", key="k" * 300).to_wire()
     with pytest.raises(TypeError):
         OutgoingMessage("s", object()).to_wire()
+
+
+def test_a_checked_message_is_sent_as_checked_not_encoded_again() -> None:
+    """An outbox checks its message when it is written (`check_message`); the after-commit send then
+    uses that wire form (the same payload bytes) and may add to its copy without changing it."""
+    later = int(time.time() * 1000) + 60_000
+    message = OutgoingMessage("s", {"order": 1}, key="k", deliver_at=later)
+    checked = check_message(message)
+    first, second = SendJob([message]), SendJob([message])
+    assert first.wires[0]["payload"] is checked["payload"]
+    assert first.wires[0]["deliver_at"] == later and "deliver_at" not in check_message(message)
+    assert second.wires[0] == first.wires[0] and second.wires[0] is not first.wires[0]
+    fresh = OutgoingMessage("s", {"order": 1}, key="k", id=message.id, created_at=message.created_at).to_wire()
+    assert fresh == checked
 
 
 def test_send_job_merges_stored_and_rejected() -> None:

@@ -26,6 +26,10 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+# Where `check_message` leaves a message's checked wire form, for its `to_wire` to hand out again.
+CHECKED_WIRE = "_checked_wire"
+
+
 @dataclass(frozen=True)
 class OutgoingMessage:
     """A message to send. `body` is bytes, str or anything JSON can encode (see
@@ -58,6 +62,9 @@ class OutgoingMessage:
         """`{"id", "subject", "payload", "key", "tags"}` as BROKER_SEND carries the message, its body
         wrapped in the envelope, checked as a broker checks it (see `check_message`).
         `known_subjects`: subjects already found valid, to skip."""
+        checked = self.__dict__.get(CHECKED_WIRE)
+        if checked is not None:  # `check_message` built it already (an outbox's after-commit send)
+            return dict(checked)
         headers = dict(self.headers) if self.headers else None
         subject = self.subject
         if self.order_key is not None:
@@ -112,8 +119,11 @@ def check_message(message: OutgoingMessage) -> dict[str, Any]:
     `InvalidMessage` whose `code` is the broker's answer (BAD_SUBJECT; BAD_REQUEST for the id, key
     or tags; MESSAGE_TOO_LARGE for a payload, envelope included, over `MAX_MESSAGE_BYTES`), or
     TypeError for a body that cannot be encoded. For code that keeps a message to send later (an
-    outbox), so that a message no broker would ever take is refused in its caller."""
-    return message.to_wire()
+    outbox), so that a message no broker would ever take is refused in its caller. The message keeps
+    what was built, so that sending it later does not encode and check it again."""
+    wire = message.to_wire()
+    message.__dict__[CHECKED_WIRE] = dict(wire)  # beside the frozen fields, as functools.cached_property does
+    return wire
 
 
 def check_order_key(order_key: object, deliver_at: object = None) -> str:
