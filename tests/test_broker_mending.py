@@ -8,7 +8,8 @@ docs/replication.md, "A damaged record"): real meta server and brokers, bytes fl
 - the replica's copy damaged in an old segment: its background scrub finds it after a restart and it
   mends it from the master;
 - a new replica catching up meets a record damaged on the master (and nowhere else): the master cuts
-  it out (bytes to quarantine/, a blank record in their place) and the replica catches up past it.
+  it out (bytes to quarantine/, a blank record in their place, naming the message) and the replica
+  catches up past it; after a failover the replica still dead-letters that message.
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ def flip_last_byte(path: Path, position: int, size: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def consume_all(broker, expected: int) -> list[str]:
-    """Every message id group `g` gets from the start, acked as they come, once `expected` arrived or
+def consume_all(broker, expected: int, group: str = "g") -> list[str]:
+    """Every message id `group` gets from the start, acked as they come, once `expected` arrived or
     nothing more came for CONSUME_TIMEOUT_S."""
     ids: list[str] = []
     with broker.connect() as conn:
-        consumer = RawConsumer(conn, SUBJECT, "g", "c", {"start": "earliest"})
+        consumer = RawConsumer(conn, SUBJECT, group, "c", {"start": "earliest"})
         deadline = time.monotonic() + CONSUME_TIMEOUT_S
         while len(ids) < expected and time.monotonic() < deadline:
             got = consumer.pull(max_count=500, wait_ms=1000)
@@ -96,9 +97,9 @@ def consume_all(broker, expected: int) -> list[str]:
     return ids
 
 
-def dead_letters(broker) -> list[dict]:
+def dead_letters(broker, group: str = "g") -> list[dict]:
     with broker.connect() as conn:
-        return conn.request(RequestCode.BROKER_DEAD_LIST, {"subject": SUBJECT, "group": "g"})["messages"]
+        return conn.request(RequestCode.BROKER_DEAD_LIST, {"subject": SUBJECT, "group": group})["messages"]
 
 
 def test_a_damaged_record_on_the_master_is_mended_from_the_replica(group) -> None:
@@ -174,4 +175,13 @@ def test_a_new_replica_catches_up_past_a_record_damaged_on_the_master(processes,
     ids = consume_all(a, COUNT - 1)
     assert ids == [f"m-{i:05d}" for i in range(COUNT) if f"m-{i:05d}" != VICTIM]
     [letter] = dead_letters(a)
+    assert letter["id"] == f"unreadable:{SUBJECT}:10" and "cut out as damaged" in letter["reason"], letter
+
+    # The replica derived its consume log from the blank record: after a failover a new group on it
+    # still meets the lost message as a dead letter, not as a silent hole.
+    processes.kill(a.proc, signal.SIGKILL)
+    wait_role(b, "master", epoch=2)
+    ids = consume_all(b, COUNT - 1, group="after")
+    assert ids == [f"m-{i:05d}" for i in range(COUNT) if f"m-{i:05d}" != VICTIM]
+    [letter] = dead_letters(b, group="after")
     assert letter["id"] == f"unreadable:{SUBJECT}:10" and "cut out as damaged" in letter["reason"], letter

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from qmq.store.record import RecordError
+from qmq.store.rebuild import rebuild_consume_log
+from qmq.store.record import RecordError, decode, encode_blank, lost_messages
 from qmq.store.recovery import CorruptStoreError
 from qmq.store.store import LogStore, Message
 from qmq.store.verify import verify
@@ -235,3 +236,28 @@ def test_qmq_log_repair_refuses_a_store_in_use(tmp_path):
             [sys.executable, "-m", "qmq", "log", "repair", "--data-dir", str(tmp_path)], capture_output=True, text=True
         )
     assert result.returncode == 1 and "in use by another process" in result.stderr
+
+
+def test_a_message_cut_out_as_lost_keeps_its_sequence_in_every_consume_log_derived_later(tmp_path):
+    """A region given up as lost (no group member had a good copy) is covered by a blank record that
+    names the messages it replaced: a consume log rebuilt from the message log, or derived by a
+    replica, points their sequences at the blank, so readers dead-letter them instead of passing a
+    hole; `qmq log repair`'s blanks, which cannot know them, name none."""
+    written = fill(tmp_path)
+    oldest = segment_files(tmp_path)[0]
+    victim, offset, size = record_in(written, oldest, "middle")
+    flip(oldest, offset - int(oldest.name) + size - 1)
+    seq = int(victim.removeprefix("m-"))
+    with LogStore(tmp_path, SMALL) as store:
+        store.note_damage(offset, "a replica's CRC check")
+        store.lose(offset, "no member has a good copy")
+        blank = store.read_record(offset)
+        assert blank.is_blank and blank.size == size and lost_messages(blank) == [("s", seq)]
+        rebuilt = rebuild_consume_log(store.message_log, tmp_path / "rebuilt", "s", 1024)
+        [entry] = rebuilt.read(seq, 1)
+        assert (entry.offset, entry.size) == (offset, size)
+        assert rebuilt.end_seq() == len(written)
+        rebuilt.close()
+        assert ids_in(store) == set(written) - {victim}
+        assert ("s", seq) in store.unreadable  # reported: the broker dead-letters it
+    assert lost_messages(decode(encode_blank(size), 0, 0)) == []

@@ -26,16 +26,17 @@ log = logging.getLogger("qmq.store")
 INDEX_BATCH = 4096  # index pairs added at a time during a rebuild
 
 
-def readable_records(message_log: MessageLog) -> Iterator[rec.Record]:
-    """Every record of the message log that passes its CRC, in log order, stepping over bad regions."""
+def readable_records(message_log: MessageLog, blanks: bool = False) -> Iterator[rec.Record]:
+    """Every record of the message log that passes its CRC, in log order, stepping over bad regions;
+    blank records too with `blanks`."""
     for segment in list(message_log.segments):
         if segment.size == 0:
             continue
         with mmap.mmap(segment.fd, segment.size, access=mmap.ACCESS_READ) as data:
-            yield from _readable_in(data, segment.base)
+            yield from _readable_in(data, segment.base, blanks)
 
 
-def _readable_in(data: mmap.mmap, base: int) -> Iterator[rec.Record]:
+def _readable_in(data: mmap.mmap, base: int, blanks: bool) -> Iterator[rec.Record]:
     pos = 0
     while pos < len(data):
         try:
@@ -46,7 +47,7 @@ def _readable_in(data: mmap.mmap, base: int) -> Iterator[rec.Record]:
                 return
             pos = resume
             continue
-        if not record.is_blank:
+        if blanks or not record.is_blank:
             yield record
         pos += record.size
 
@@ -56,8 +57,12 @@ def rebuild_consume_log(message_log: MessageLog, directory: Path, subject: str, 
     shutil.rmtree(directory, ignore_errors=True)
     consume_log = ConsumeLog(directory, entries_per_segment)
     written = 0
-    for r in readable_records(message_log):
-        if r.subject == subject:
+    for r in readable_records(message_log, blanks=True):
+        if r.is_blank:  # messages cut out as damaged keep their sequences, pointing at the blank
+            for seq in (seq for lost, seq in rec.lost_messages(r) if lost == subject):
+                consume_log.write(seq, pack_entry(r.offset, r.size, 0, r.store_ts))
+                written += 1
+        elif r.subject == subject:
             consume_log.write(r.seq, pack_entry(r.offset, r.size, rec.tag_mask(r.tags) if r.tags else 0, r.store_ts))
             written += 1
     log.warning("consume log of %r rebuilt from the message log: %d entries", subject, written)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -106,11 +107,51 @@ def encode(
     return b"".join((PREFIX_CRC.pack(CRC_START + len(meta) + len(payload), MAGIC, crc), meta, payload))
 
 
-def encode_blank(size: int, store_ts: int = 0) -> bytes:
-    """A blank record of exactly `size` bytes (`size >= HEADER_SIZE`), used to cover a cut-out region."""
+# A blank record that replaced damaged messages names them in its payload (the lost note), so that
+# every consume log derived from the log later (a replica's, a rebuilt one) still has their sequences,
+# pointing at the blank: readers then report them unreadable (dead letters) instead of passing a hole.
+LOST_NOTE = struct.Struct(">8sI")  # LOST_MAGIC, how many messages follow
+LOST_MAGIC = b"QMQLOST1"
+LOST_ITEM = struct.Struct(">QH")  # seq, subject length; the subject's bytes follow
+
+
+def encode_blank(size: int, store_ts: int = 0, lost: Sequence[tuple[str, int]] = ()) -> bytes:
+    """A blank record of exactly `size` bytes (`size >= HEADER_SIZE`), used to cover a cut-out region.
+    `lost`: the (subject, seq) of the messages it replaces, as many as its payload has room for."""
     if size < HEADER_SIZE:
         raise ValueError(f"a blank record needs at least {HEADER_SIZE} bytes, got {size}")
-    return encode(Attr.BLANK, 0, store_ts, 0, b"", b"", b"", b"", bytes(size - HEADER_SIZE))
+    room = size - HEADER_SIZE
+    note = _lost_note(lost, room)
+    return encode(Attr.BLANK, 0, store_ts, 0, b"", b"", b"", b"", note + bytes(room - len(note)))
+
+
+def _lost_note(lost: Sequence[tuple[str, int]], room: int) -> bytes:
+    if not lost or room < LOST_NOTE.size:
+        return b""
+    items, used = [], LOST_NOTE.size
+    for subject, seq in lost:
+        item = LOST_ITEM.pack(seq, len(subject.encode())) + subject.encode()
+        if used + len(item) > room:
+            break
+        items.append(item)
+        used += len(item)
+    return LOST_NOTE.pack(LOST_MAGIC, len(items)) + b"".join(items)
+
+
+def lost_messages(record: Record) -> list[tuple[str, int]]:
+    """The (subject, seq) a blank record says it replaced; none for a record of another kind, or a
+    blank without a lost note (cut by `qmq log repair`, which cannot know them)."""
+    if not record.is_blank or bytes(record.payload[: len(LOST_MAGIC)]) != LOST_MAGIC:
+        return []
+    payload = bytes(record.payload)
+    _magic, count = LOST_NOTE.unpack_from(payload)
+    out, pos = [], LOST_NOTE.size
+    for _ in range(count):
+        seq, length = LOST_ITEM.unpack_from(payload, pos)
+        pos += LOST_ITEM.size
+        out.append((payload[pos : pos + length].decode(), seq))
+        pos += length
+    return out
 
 
 def decode(buf, pos: int, base_offset: int) -> Record:

@@ -51,6 +51,7 @@ DEFAULT_CHECKPOINT_BYTES = 256 * 1024 * 1024
 BACKGROUND_TICK_S = 0.5
 DEFAULT_RETENTION_S = 72 * 3600
 DEFAULT_CLEAN_INTERVAL_S = 60.0
+SEARCH_BATCH = 64  # consume-log entries read at a time when looking for those pointing at an offset
 VERIFY_RECENT_SEGMENTS = 3  # the active segment and the two sealed before it are CRC-checked at every open
 
 
@@ -469,6 +470,7 @@ class LogStore:
         index_pairs = []
         for r in records:
             if r.is_blank:
+                self._derive_lost(r)
                 continue
             self._consume_log(r.subject).write(
                 r.seq, pack_entry(r.offset, r.size, rec.tag_mask(r.tags) if r.tags else 0, r.store_ts)
@@ -479,6 +481,14 @@ class LogStore:
             if r.key:
                 index_pairs.append((rec.key_hash(r.key.encode(), r.subject.encode()), r.offset))
         self.index.add(index_pairs)
+
+    def _derive_lost(self, blank: rec.Record) -> None:
+        """Consume-log entries pointing at a blank record for the messages it says it replaced: they
+        keep their sequences, and readers report them unreadable rather than pass a hole."""
+        for subject, seq in rec.lost_messages(blank):
+            self._consume_log(subject).write(seq, pack_entry(blank.offset, blank.size, 0, blank.store_ts))
+            if seq + 1 > self._next_seq.get(subject, 0):
+                self._next_seq[subject] = seq + 1
 
     def _consume_log(self, subject: str) -> ConsumeLog:
         consume_log = self._consume_logs.get(subject)
@@ -665,7 +675,9 @@ class LogStore:
                 self._report_unreadable(subject, e.seq, entry.offset, exc.reason)
                 out.append(None)
                 continue
-            out.append(record if record.subject == subject and record.seq == e.seq else None)
+            if record.is_blank:  # an entry the rebuild pointed at a cut-out message's blank
+                record = self._cut_out_message(subject, e)
+            out.append(record if record is not None and record.subject == subject and record.seq == e.seq else None)
         return out
 
     def _report_damage(self, path: str, offset: int, end: int, reason: str) -> None:
@@ -795,15 +807,53 @@ class LogStore:
         if segment is None or region.end > segment.end or size < rec.HEADER_SIZE:
             return None
         saved = self.data_dir / "quarantine" / f"{segment.path.name}.{region.start:020d}.bad"
+        blank = rec.encode_blank(size, lost=self._messages_in(region))
         try:
             saved.parent.mkdir(exist_ok=True)
             saved.write_bytes(segment.read(region.start - segment.base, size))
-            pwrite_all(segment.fd, rec.encode_blank(size), region.start - segment.base)
+            pwrite_all(segment.fd, blank, region.start - segment.base)
             os.fdatasync(segment.fd)
         except OSError as exc:
             self.write_failed(exc, "cutting out a damaged record")
             return None
         return saved
+
+    def _messages_in(self, region: DamagedRegion) -> list[tuple[str, int]]:
+        """The (subject, seq) of the messages whose records lay in `region`: those readers met, and
+        those a consume log points into it."""
+        found = set(self.damage.hidden_by(region))
+        for subject in list(self._next_seq):
+            found.update((subject, seq) for seq in self._seqs_in(subject, region.start, region.end))
+        return sorted(found)
+
+    def _seqs_in(self, subject: str, start: int, end: int) -> list[int]:
+        """The sequences of `subject` whose entries point into [start, end): a binary search on the
+        consume log (its offsets grow with the sequence), then a scan while they stay inside."""
+
+        def first_entry(seq: int) -> Entry | None:  # the first entry at or after `seq`
+            while True:
+                batch = self.entries(subject, seq, SEARCH_BATCH)
+                if not batch:
+                    return None
+                found = next((e for e in batch if e is not None), None)
+                if found is not None:
+                    return found
+                seq += len(batch)
+
+        lo, hi = self.first_seq(subject), self._next_seq.get(subject, 0)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            entry = first_entry(mid)
+            if entry is not None and entry.offset < start:
+                lo = max(mid, entry.seq) + 1
+            else:
+                hi = mid
+        seqs = []
+        entry = first_entry(lo)
+        while entry is not None and entry.offset < end:
+            seqs.append(entry.seq)
+            entry = first_entry(entry.seq + 1)
+        return seqs
 
     def read_record(self, offset: int) -> rec.Record:
         return self.message_log.read_record(offset)
