@@ -1,14 +1,16 @@
 """docker-compose.yml, for real. First the file alone: valid for Debian's docker-compose, every service
-the dev cluster needs, each broker group a master and a replica on volumes of their own,
-healthchecks, named volumes, the ports of DESIGN.md, qmq commands whose flags exist, and the TLS
-override (docker-compose.tls.yml, with the certificates scripts/compose-tls-certs.sh makes), checked
-as docker-compose resolves it (TLS itself runs live in tests/test_dev.py and tests/test_demo.py).
-Then one start of the whole cluster (tests/support/compose.py: images from Debian's packages through
-scripts/docker/local.yml, free host ports, its own network) that the rest drive, in order: the
-README's quick start from the host, each broker group's replica in sync, orders committed on the
-host and in an app container consumed once with their delayed payment timeouts, a broker SIGKILLed
-and restarted on its volume losing nothing, and `docker-compose run --rm reconcile` reporting every
-order's message delivered."""
+the dev cluster needs, each broker group and the delay-server group a master and a replica on
+volumes of their own, healthchecks, named volumes, the ports of DESIGN.md, qmq commands whose flags
+exist, the reconciliation exporting one member of each group (scripts/compose-longest-log.py), and
+the TLS override (docker-compose.tls.yml, with the certificates scripts/compose-tls-certs.sh makes),
+checked as docker-compose resolves it (TLS itself runs live in tests/test_dev.py and
+tests/test_demo.py). Then one start of the whole cluster (tests/support/compose.py: images from
+Debian's packages through scripts/docker/local.yml, free host ports, its own network) that the rest
+drive, in order: the README's quick start from the host, each group's replica in sync, orders
+committed on the host and in an app container consumed once with their delayed payment timeouts, a
+broker SIGKILLed and restarted on its volume losing nothing, the delay master SIGKILLed with payment
+timeouts pending and its replica firing them, and `docker-compose run --rm reconcile` reporting
+every order's message delivered (once)."""
 
 from __future__ import annotations
 
