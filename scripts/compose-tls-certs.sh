@@ -9,7 +9,7 @@ set -euo pipefail
 
 DIR="${1:-$(cd "$(dirname "$0")/.." && pwd)/tls}"
 DAYS="${QMQ_TLS_DAYS:-365}"
-NAMES="DNS:meta,DNS:broker-a,DNS:broker-a-replica,DNS:broker-b,DNS:broker-b-replica,DNS:delay,DNS:localhost,IP:127.0.0.1"
+NAMES="DNS:meta,DNS:broker-a,DNS:broker-a-replica,DNS:broker-b,DNS:broker-b-replica,DNS:delay,DNS:delay-replica,DNS:localhost,IP:127.0.0.1"
 
 command -v openssl >/dev/null || { echo "openssl is missing (Debian: apt-get install openssl)" >&2; exit 1; }
 mkdir -p "$DIR"

@@ -1,14 +1,16 @@
 """docker-compose.yml, for real. First the file alone: valid for Debian's docker-compose, every service
-the dev cluster needs, each broker group a master and a replica on volumes of their own,
-healthchecks, named volumes, the ports of DESIGN.md, qmq commands whose flags exist, and the TLS
-override (docker-compose.tls.yml, with the certificates scripts/compose-tls-certs.sh makes), checked
-as docker-compose resolves it (TLS itself runs live in tests/test_dev.py and tests/test_demo.py).
-Then one start of the whole cluster (tests/support/compose.py: images from Debian's packages through
-scripts/docker/local.yml, free host ports, its own network) that the rest drive, in order: the
-README's quick start from the host, each broker group's replica in sync, orders committed on the
-host and in an app container consumed once with their delayed payment timeouts, a broker SIGKILLed
-and restarted on its volume losing nothing, and `docker-compose run --rm reconcile` reporting every
-order's message delivered."""
+the dev cluster needs, each broker group and the delay-server group a master and a replica on
+volumes of their own, healthchecks, named volumes, the ports of DESIGN.md, qmq commands whose flags
+exist, the reconciliation exporting one member of each group (scripts/compose-longest-log.py), and
+the TLS override (docker-compose.tls.yml, with the certificates scripts/compose-tls-certs.sh makes),
+checked as docker-compose resolves it (TLS itself runs live in tests/test_dev.py and
+tests/test_demo.py). Then one start of the whole cluster (tests/support/compose.py: images from
+Debian's packages through scripts/docker/local.yml, free host ports, its own network) that the rest
+drive, in order: the README's quick start from the host, each group's replica in sync, orders
+committed on the host and in an app container consumed once with their delayed payment timeouts, a
+broker SIGKILLed and restarted on its volume losing nothing, the delay master SIGKILLed with payment
+timeouts pending and its replica firing them, and `docker-compose run --rm reconcile` reporting
+every order's message delivered (once)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import qmq
 from qmq.cli import main
 from qmq.cli.net_options import TLS_SERVER_CERT_ENV, TLS_SERVER_KEY_ENV
 from qmq.db.engine import create_engine
+from qmq.demo import shop as shop_module
 from qmq.demo.run import CRASHING_SHOP
 from qmq.demo.shop import emails, invoices, metadata, order_placer, timeouts
 from qmq.net.client import BlockingConnection
@@ -51,7 +54,10 @@ LOCAL = ROOT / "scripts" / "docker" / "local.yml"
 
 pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 BROKERS = {"broker-a", "broker-a-replica", "broker-b", "broker-b-replica"}
-SERVICES = {"postgres", "redis", "meta", *BROKERS, "delay", "relay", "worker", "reconcile"}
+DELAY_SERVERS = {"delay", "delay-replica"}
+STORES = BROKERS | DELAY_SERVERS  # one volume each, mounted at /data
+SERVICES = {"postgres", "redis", "meta", *STORES, "relay", "worker", "reconcile"}
+LONGEST_LOG = ROOT / "scripts" / "compose-longest-log.py"
 TLS_OVERRIDE = ROOT / "docker-compose.tls.yml"
 TLS_CERTS_SCRIPT = ROOT / "scripts" / "compose-tls-certs.sh"
 LONG_RUNNING = SERVICES - {"reconcile"}
@@ -71,11 +77,21 @@ def config() -> dict:
     return resolved(COMPOSE)
 
 
+PICK = "$$(python /compose/longest-log.py "  # the reconcile service's pick of a group's member
+
+
+def picked(token: str) -> list[str] | None:
+    """The stores of `--data-dir "$$(python /compose/longest-log.py STORE ...)"` (None for a plain path)."""
+    return token.removeprefix(PICK).removesuffix(")").split() if token.startswith(PICK) else None
+
+
 def qmq_args(service: dict) -> list[list[str]]:
-    """The qmq command lines a service runs."""
+    """The qmq command lines a service runs; a member picked by scripts/compose-longest-log.py stands
+    as the first store it is given."""
     command = service["command"]
     if service.get("entrypoint") == ["sh", "-c"]:
-        return [shlex.split(part)[1:] for part in " ".join(command).split("&&")]
+        lines = [shlex.split(part)[1:] for part in " ".join(command).split("&&")]
+        return [[(picked(a) or [a])[0] for a in args] for args in lines]
     return [list(command)]
 
 
@@ -84,12 +100,12 @@ def test_the_cluster_has_every_service_with_healthchecks_and_volumes(config) -> 
     assert set(services) >= SERVICES
     for name in LONG_RUNNING:
         assert "healthcheck" in services[name], name
-    assert {"pgdata", *BROKERS, "delay"} <= set(config["volumes"])
+    assert {"pgdata", *STORES} <= set(config["volumes"])
     published = {p["published"] if isinstance(p, dict) else p for s in services.values() for p in s.get("ports", [])}
-    for port in (20880, 20881, 20890):
+    for port in (20880, 20881, 20890, 20891):  # DESIGN.md's, and the delay replica's (docs/compose.md)
         assert any(str(port) in str(p) for p in published), port
     qmq_services = [n for n, s in services.items() if s.get("image") == "qmq:dev"]
-    assert {"meta", *BROKERS, "delay", "relay", "worker", "reconcile"} <= set(qmq_services)
+    assert {"meta", *STORES, "relay", "worker", "reconcile"} <= set(qmq_services)
     assert all(services[n]["build"]["context"] == str(ROOT) for n in qmq_services)  # one Dockerfile
 
 
@@ -105,27 +121,105 @@ def mounts(service: dict) -> dict[str, tuple[str, bool]]:
     return found
 
 
+def publishing(service: dict) -> dict[int, str]:
+    """container port -> host address:port of a service's published ports, in either of compose's forms."""
+    found = {}
+    for port in service.get("ports", []):
+        if isinstance(port, str):
+            *host, published, target = port.removesuffix("/tcp").split(":")
+            port = {"host_ip": host[0] if host else "0.0.0.0", "published": published, "target": target}
+        found[int(port["target"])] = f"{port.get('host_ip', '0.0.0.0')}:{port['published']}"
+    return found
+
+
 def option(args: list[str], name: str) -> str | None:
     return args[args.index(name) + 1] if name in args else None
 
 
-def test_each_broker_group_is_a_master_and_a_replica_on_volumes_of_their_own(config) -> None:
+GROUPS = {
+    "a": ("broker-a", "broker-a-replica"),
+    "b": ("broker-b", "broker-b-replica"),
+    "d1": ("delay", "delay-replica"),
+}
+PORT_INSIDE = {"broker": 20881, "delay-server": 20890}
+
+
+def test_each_group_is_a_master_and_a_replica_on_volumes_of_their_own(config) -> None:
+    """Both broker groups and the delay-server group: two members with the same command line but
+    their addresses, one volume each, the replica started after its master, each member reachable
+    from the host on the port it advertises there."""
+    services = config["services"]
     members: dict[str, list[str]] = {}
-    for name, service in config["services"].items():
+    for name, service in services.items():
         args = qmq_args(service)[0] if service.get("image") == "qmq:dev" else [""]
-        if args[0] == "broker":
+        if args[0] in PORT_INSIDE:
             members.setdefault(option(args, "--group"), []).append(name)
-            assert option(args, "--advertise") == f"{name}:20881", name  # containers dial the service name
-    assert {group: sorted(names) for group, names in members.items()} == {
-        "a": ["broker-a", "broker-a-replica"],
-        "b": ["broker-b", "broker-b-replica"],
-    }
-    data = [mounts(config["services"][n])["/data"][0] for n in BROKERS]
-    assert sorted(data) == sorted(BROKERS)  # one disk each: a replica is a second copy
-    for replica in ("broker-a-replica", "broker-b-replica"):  # the first of a group to report is master
-        assert set(config["services"][replica]["depends_on"]) == {replica.removesuffix("-replica")}
-    external = {option(qmq_args(config["services"][n])[0], "--advertise-external") for n in BROKERS}
-    assert len(external) == len(BROKERS)  # the host reaches whichever is master after a failover
+            port = PORT_INSIDE[args[0]]
+            assert option(args, "--port") == str(port), name
+            assert option(args, "--advertise") == f"{name}:{port}", name  # containers dial the service name
+            external = option(args, "--advertise-external")
+            assert publishing(services[name]) == {port: external}, name
+    assert {group: tuple(sorted(names)) for group, names in members.items()} == GROUPS
+    data = [mounts(services[n])["/data"][0] for n in STORES]
+    assert sorted(data) == sorted(STORES)  # one disk each: a replica is a second copy
+    for master, replica in GROUPS.values():
+        assert set(services[replica]["depends_on"]) == {master}  # the first of a group to report is master
+        assert services[replica]["healthcheck"]["test"] == services[master]["healthcheck"]["test"]
+
+        def flags(name: str) -> list[str]:
+            args = qmq_args(services[name])[0]
+            for address in ("--advertise", "--advertise-external"):
+                args[args.index(address) + 1] = "ADDRESS"
+            return args
+
+        assert flags(replica) == flags(master), replica  # the same --group, --ack-replicas, ...
+    external = {option(qmq_args(services[n])[0], "--advertise-external") for n in STORES}
+    assert len(external) == len(STORES)  # the host reaches whichever is master after a failover
+
+
+def test_the_reconciliation_exports_one_member_of_each_group(config) -> None:
+    """`reconcile` exports every group once (two members would count each message twice), from the
+    member scripts/compose-longest-log.py picks among all of the group's stores, mounted read-only."""
+    reconcile = config["services"]["reconcile"]
+    lines = [shlex.split(part)[1:] for part in " ".join(reconcile["command"]).split("&&")]
+    exports = {option(a, "--name"): picked(option(a, "--data-dir")) for a in lines if a[:2] == ["ledger", "export"]}
+    stores = {group: [f"/stores/{m}" for m in members] for group, members in GROUPS.items()}
+    assert exports == {"a": stores["a"], "b": stores["b"], "delay": stores["d1"]}
+    ledgers = {option(a, "--out") for a in lines if a[:2] == ["ledger", "export"]}
+    assert lines[-1][0] == "reconcile" and ledgers == {option(lines[-1], "--ledger")}
+    found = mounts(reconcile)
+    for name in STORES:
+        assert found[f"/stores/{name}"] == (name, True), name
+    assert found["/compose/longest-log.py"] == (str(LONGEST_LOG), True)
+
+
+def store(path: Path, epochs: str | None, segments: dict[int, int]) -> str:
+    """A store directory as far as the member pick reads it: `epochs`, message-log segments."""
+    (path / "messagelog").mkdir(parents=True)
+    for base, size in segments.items():
+        (path / "messagelog" / f"{base:020d}").write_bytes(b"x" * size)
+    if epochs is not None:
+        (path / "epochs").write_text(epochs)
+    return str(path)
+
+
+def pick(*stores: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LONGEST_LOG), *stores], capture_output=True, text=True, timeout=60)
+
+
+def test_the_member_exported_has_the_newest_epoch_and_the_longest_log(tmp_path) -> None:
+    old_master = store(tmp_path / "m", "1 0\n", {0: 100, 100: 400})  # log end 500, deposed at epoch 1
+    promoted = store(tmp_path / "r", "1 0\n2 300\n", {0: 100, 100: 260})  # 360: shorter, but epoch 2
+    behind = store(tmp_path / "b", "1 0\n2 300\n", {0: 100, 100: 250})
+    alone = store(tmp_path / "alone", None, {0: 50})  # a server that never joined a group: epoch 0
+    empty = tmp_path / "empty"  # a volume no member has used yet
+    empty.mkdir()
+    assert pick(old_master, promoted).stdout == f"{promoted}\n"
+    assert pick(behind, promoted, old_master).stdout == f"{promoted}\n"  # longest among epoch 2
+    assert pick(promoted, store(tmp_path / "same", "1 0\n2 300\n", {0: 360})).stdout == f"{promoted}\n"  # tie: first
+    assert pick(str(empty), alone).stdout == f"{alone}\n"
+    none = pick(str(empty), str(tmp_path / "missing"))
+    assert none.returncode == 1 and none.stdout == "" and "no store" in none.stderr
 
 
 def test_the_tls_override_puts_every_qmq_process_on_tls(tmp_path) -> None:
@@ -144,7 +238,7 @@ def test_the_tls_override_puts_every_qmq_process_on_tls(tmp_path) -> None:
         for args in qmq_args(service):
             if args[0] in ("meta", "broker", "delay-server"):
                 servers.add(name)
-    assert servers == {"meta", *BROKERS, "delay"}
+    assert servers == {"meta", *STORES}
 
     made = subprocess.run(["bash", str(TLS_CERTS_SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
@@ -295,33 +389,59 @@ def test_the_readme_quick_start_works_from_the_host(cluster) -> None:
 REPLICA_DEADLINE_S = 30.0  # the replicas started with the cluster: in sync within a fetch or two
 
 
-def broker_replication(port: int) -> dict | None:
-    """A broker's BROKER_STATS "replication", through its published port (None while it cannot answer)."""
+def server_stats(port: int, code: RequestCode) -> dict | None:
+    """BROKER_STATS or DELAY_STATS of a server, through its published port (None while it cannot
+    answer); a member that is not master answers with its "replication" only."""
     try:
         with BlockingConnection.open("127.0.0.1", port, token="", timeout=5) as conn:
-            return conn.request(RequestCode.BROKER_STATS, {}, timeout=10).get("replication")
+            return conn.request(code, {}, timeout=10)
     except OSError:
         return None
 
 
+def replication(port: int, code: RequestCode) -> dict | None:
+    stats = server_stats(port, code)
+    return stats and stats.get("replication")
+
+
+def master_in_sync(cluster: Cluster, members: dict[str, str], code: RequestCode) -> tuple[str, dict] | None:
+    """(service, "replication") of the group's master once it names its other member a replica in
+    sync (a send is acknowledged on two disks), whichever of the two the meta server made master."""
+    stats = {name: replication(cluster.ports[port], code) for name, port in members.items()}
+    masters = [(name, s) for name, s in stats.items() if s and s["role"] == "master"]
+    if len(masters) != 1 or not all(stats.values()):
+        return None
+    name, master = masters[0]
+    replicas = [r for r in master.get("replicas") or () if r["in_sync"]]
+    return (name, master) if len(replicas) == 1 and master["ack_replicas"] == 1 and master["writable"] else None
+
+
+def wait_master_in_sync(cluster: Cluster, members: dict[str, str], code: RequestCode) -> tuple[str, dict]:
+    return wait_until(lambda: master_in_sync(cluster, members, code), f"{' and '.join(members)}: a replica in sync",
+                      REPLICA_DEADLINE_S, cluster.logs)  # fmt: skip
+
+
 def test_each_broker_group_has_a_replica_in_sync(cluster) -> None:
-    """BROKER_STATS of each group's master names the other member as a replica in sync (so a send is
-    acknowledged on two disks), whichever of the two the meta server made master."""
-
-    def in_sync(group: str) -> dict | None:
-        members = {f"{group}:{port}": cluster.ports[port] for port in (group, f"{group}_REPLICA")}
-        stats = {name: broker_replication(port) for name, port in members.items()}
-        masters = [s for s in stats.values() if s and s["role"] == "master"]
-        if len(masters) != 1 or not all(stats.values()):
-            return None
-        master = masters[0]
-        replicas = [r for r in master.get("replicas") or () if r["in_sync"]]
-        return master if len(replicas) == 1 and master["ack_replicas"] == 1 and master["writable"] else None
-
-    for group in ("BROKER_A", "BROKER_B"):
-        master = wait_until(lambda group=group: in_sync(group), f"group {group} has a replica in sync",
-                            REPLICA_DEADLINE_S, cluster.logs)  # fmt: skip
+    """BROKER_STATS of each group's master names the other member as a replica in sync."""
+    for group in ("a", "b"):
+        members = {
+            f"broker-{group}": f"BROKER_{group.upper()}",
+            f"broker-{group}-replica": f"BROKER_{group.upper()}_REPLICA",
+        }
+        _, master = wait_master_in_sync(cluster, members, RequestCode.BROKER_STATS)
         assert master["epoch"] >= 1
+
+
+DELAY_MEMBERS = {"delay": "DELAY", "delay-replica": "DELAY_REPLICA"}
+
+
+def test_the_delay_group_has_a_replica_in_sync(cluster) -> None:
+    """DELAY_STATS of the delay-server group's master names the other member as a replica in sync:
+    a delayed message is acknowledged once both disks hold it (docs/replication.md)."""
+    name, master = wait_master_in_sync(cluster, DELAY_MEMBERS, RequestCode.DELAY_STATS)
+    assert master["epoch"] >= 1
+    other = next(n for n in DELAY_MEMBERS if n != name)
+    assert replication(cluster.ports[DELAY_MEMBERS[other]], RequestCode.DELAY_STATS)["role"] == "replica"
 
 
 def test_orders_from_the_host_and_an_app_container_are_consumed_once(cluster, shop, placed) -> None:
@@ -366,11 +486,58 @@ def test_a_broker_killed_and_restarted_on_its_volume_loses_nothing(cluster, shop
     wait_settled(cluster, shop, [*stored, *while_down])
 
 
+FAILOVER_DEADLINE_S = 60.0  # the meta server's --failover-after (10 s) and a heartbeat, on a busy machine
+# The payment timeouts of the next orders: due after the delay master is killed, so they are pending
+# there and only its replica can fire them (about when it takes over, 10 s later).
+PENDING_TIMEOUT_S = 12.0
+
+
+def test_the_delay_master_killed_its_replica_fires_the_pending_timeouts_once(
+    cluster, shop, placed, monkeypatch
+) -> None:
+    """The delay-server group's master SIGKILLed with payment timeouts pending: the meta server
+    promotes the replica, which fires them (each once: the reconciliation below classes every one
+    `delivered`, acknowledged once by its consumer group)."""
+    master, stats = wait_master_in_sync(cluster, DELAY_MEMBERS, RequestCode.DELAY_STATS)
+    replica = next(n for n in DELAY_MEMBERS if n != master)
+    monkeypatch.setattr(shop_module, "PAYMENT_TIMEOUT_S", PENDING_TIMEOUT_S)
+    ids = order_ids(300, 4)
+    before = server_stats(cluster.ports[DELAY_MEMBERS[master]], RequestCode.DELAY_STATS)
+    sent = time.monotonic()
+    place_orders(cluster, shop, placed, ids)  # acknowledged once the replica holds them too
+    pending = server_stats(cluster.ports[DELAY_MEMBERS[master]], RequestCode.DELAY_STATS)
+    killed = run(["docker", "kill", "--signal", "KILL", cluster.container(master)])
+    assert killed.returncode == 0, killed.stderr
+    killed_after = time.monotonic() - sent
+    assert killed_after < PENDING_TIMEOUT_S, f"placing the orders took {killed_after:.1f} s: timeouts may have fired"
+    assert pending["pending"] == before["pending"] + len(ids), (before, pending)  # none fired by the master
+    state = wait_until(
+        lambda: (s := cluster.state(master)) and not s["Running"] and s, f"{master} down after SIGKILL", 30
+    )
+    assert state["ExitCode"] == 137
+    killed_at = time.monotonic()
+    promoted = wait_until(
+        lambda: (
+            (r := replication(cluster.ports[DELAY_MEMBERS[replica]], RequestCode.DELAY_STATS))
+            and r["role"] == "master"
+            and r
+        ),
+        f"{replica} master after {master} was killed",
+        FAILOVER_DEADLINE_S,
+        cluster.logs,
+    )
+    cluster.timings["delay failover"] = time.monotonic() - killed_at
+    assert promoted["epoch"] > stats["epoch"]
+    wait_settled(cluster, shop, ids)
+    placed["delay_promoted"] = replica  # the reconciliation exports the delay ledger from its store
+
+
 RESULTS = textwrap.dedent("""
-    import json, pyarrow.parquet as pq
+    import glob, json, pyarrow.parquet as pq
     summary = json.load(open("/ledger/report/summary.json"))
     rows = pq.read_table("/ledger/report/classified", columns=["message_id", "class"]).to_pylist()
-    print(json.dumps({"summary": summary, "classes": {r["message_id"]: r["class"] for r in rows}}))
+    exports = {e["name"]: e["data_dir"] for e in map(json.load, map(open, glob.glob("/ledger/ledger/_exports/*.json")))}
+    print(json.dumps({"summary": summary, "classes": {r["message_id"]: r["class"] for r in rows}, "exports": exports}))
 """)
 
 
@@ -382,6 +549,13 @@ def test_the_reconciliation_reports_every_message_delivered(cluster, placed) -> 
     output = cluster.compose("run", "--rm", "-T", "--no-deps", "--entrypoint", "python", "reconcile", "-c", RESULTS)
     found = json.loads(output.stdout.strip().splitlines()[-1])
     summary, classes = found["summary"], found["classes"]
+    # One member's store per group; the delay group's from the promoted replica (newer epoch, longer
+    # log), not from its killed master's volume.
+    assert found["exports"].keys() == {"a", "b", "delay"}
+    for name, members in (("a", GROUPS["a"]), ("b", GROUPS["b"]), ("delay", GROUPS["d1"])):
+        assert found["exports"][name] in {f"/stores/{m}" for m in members}, found["exports"]
+    if "delay_promoted" in placed:
+        assert found["exports"]["delay"] == f"/stores/{placed['delay_promoted']}"
     assert {i: classes.get(i) for i in placed["message_ids"]} == {i: "delivered" for i in placed["message_ids"]}
     # The crashed app's two messages, shipped by the relay, are in the outbox too.
     assert summary["delivered"] >= len(placed["message_ids"]) + 2

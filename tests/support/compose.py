@@ -56,11 +56,13 @@ HOST_PORT_VARIABLES = (
     "BROKER_B",
     "BROKER_B_REPLICA",
     "DELAY",
+    "DELAY_REPLICA",
     "POSTGRES",
     "REDIS",
 )
 BROKERS = ("broker-a", "broker-a-replica", "broker-b", "broker-b-replica")
-LONG_RUNNING = ("postgres", "redis", "meta", *BROKERS, "delay", "relay", "worker")
+DELAY_SERVERS = ("delay", "delay-replica")
+LONG_RUNNING = ("postgres", "redis", "meta", *BROKERS, *DELAY_SERVERS, "relay", "worker")
 
 
 def fail(reason: str) -> None:
