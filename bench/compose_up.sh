@@ -9,9 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PROJECT=qmqbench
 COMPOSE=(docker-compose -p "$PROJECT" -f docker-compose.yml -f scripts/docker/local.yml)
-SERVICES=(postgres redis meta broker-a broker-b delay relay worker)
+SERVICES=(postgres redis meta broker-a broker-b broker-a-replica broker-b-replica delay delay-replica relay worker)
 export QMQ_HOST_PORT_META=30880 QMQ_HOST_PORT_BROKER_A=30881 QMQ_HOST_PORT_BROKER_B=30882
-export QMQ_HOST_PORT_DELAY=30890 QMQ_HOST_PORT_POSTGRES=35433 QMQ_HOST_PORT_REDIS=36380
+export QMQ_HOST_PORT_BROKER_A_REPLICA=30883 QMQ_HOST_PORT_BROKER_B_REPLICA=30884
+export QMQ_HOST_PORT_DELAY=30890 QMQ_HOST_PORT_DELAY_REPLICA=30891
+export QMQ_HOST_PORT_POSTGRES=35433 QMQ_HOST_PORT_REDIS=36380
 export QMQ_COMPOSE_NETWORK=$PROJECT-net
 
 mode=${1:-warm}

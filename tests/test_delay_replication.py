@@ -10,10 +10,13 @@ than the failover time (the window's re-fires are dropped by the broker, qmq/bro
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -26,6 +29,7 @@ from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
 from tests.support.delay import Arrivals, dispatched_ids, start_delay_server
 from tests.support.replication import (
+    FAILOVER_AFTER_S,
     HOST,
     MAX_LAG,
     admin_failover,
@@ -219,3 +223,51 @@ def test_the_replica_files_what_the_master_delivered_and_the_buckets_it_retired(
     done = b.data_dir / "dispatch" / (bucket_name(now_ms + 500 - (now_ms + 500) % 300_000) + DONE_SUFFIX)
     wait_for(done.exists, "the replica to mark the bucket done, as the master did")
     assert (a.data_dir / "dispatch" / done.name).exists()
+
+
+def test_a_lost_delay_replica_is_forgotten_with_qmq_admin_and_delayed_sends_are_taken_again(
+    processes, tmp_path, meta
+) -> None:
+    start_broker(processes, tmp_path / "broker", "--meta", meta, "--group", "b1")
+    group_args = ("--meta", meta, "--group", "d1", "--max-lag", MAX_LAG)  # the default rule: 1 once it has a replica
+    a = start_delay_server(processes, tmp_path / "a", *group_args, name="a")
+    wait_role(a, "master")
+    b = start_delay_server(processes, tmp_path / "b", *group_args, name="b")
+    wait_role(b, "replica")
+    wait_in_sync(a, b)
+    shown = admin_group(meta, "show", "--group", "delay:d1", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert {m["address"]: m["role"] for m in json.loads(shown.stdout)["members"]} == {
+        a.address: "master",
+        b.address: "replica",
+    }
+    processes.kill(b.proc, signal.SIGKILL)  # the replica's machine is lost
+    wait_for(lambda: (replication(a) or {}).get("writable") is False, "the delay group to refuse sends", timeout=10)
+    wait_for(lambda: meta_silent(meta, b.address), "the replica to fall silent", timeout=10)
+
+    done = admin_group(meta, "forget", "--group", "delay:d1", "--broker", b.address)
+    assert done.returncode == 0, done.stderr
+    assert f"forgot {b.address}" in done.stdout and "the master alone" in done.stdout
+    consumer = Arrivals(Client(meta=meta), SUBJECT)
+    message = OutgoingMessage(SUBJECT, "after", deliver_at=int(time.time() * 1000) + 1000)
+    with Client(meta=meta) as producer:
+        assert producer.send([message])[0].ok
+    missing = consumer.wait_for({message.id}, 30)
+    consumer.close()
+    assert not missing
+
+
+def admin_group(meta: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qmq", "admin", "group", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "QMQ_META": meta, "QMQ_TOKEN": ""},
+    )
+
+
+def meta_silent(meta: str, address: str) -> bool:
+    listing = meta_request(meta, RequestCode.META_LIST, {})["replication"]
+    members = [m for g in listing for m in g["members"]]
+    return any(m["address"] == address and m["reported_s_ago"] > FAILOVER_AFTER_S for m in members)

@@ -1,7 +1,8 @@
-"""The members of a replicated broker group (docs/replication.md), for `qmq admin group show` and
+"""The members of a replicated group (docs/replication.md), for `qmq admin group show` and
 `qmq admin group forget`: what the meta server last heard from each (META_LIST) joined with what
-each member says of itself and what the master says of its replicas (BROKER_STATS), and the removal
-of a member gone for good (REPL_FORGET).
+each member says of itself and what the master says of its replicas (BROKER_STATS, or DELAY_STATS
+for a delay-server group, named `delay:NAME` as META_LIST lists it), and the removal of a member
+gone for good (REPL_FORGET).
 
 Each operation is a loop of steps (`qmq.client.steps`), run by a client driver
 (`qmq.client.blocking.blocking`), like the client's own administration calls. No I/O here.
@@ -16,6 +17,7 @@ from qmq.client.errors import ClientError, MetaUnreachable
 from qmq.client.routes import meta_call
 from qmq.client.steps import Call, Calls, Sleep, Steps
 from qmq.protocol.codes import RequestCode
+from qmq.protocol.limits import DELAY_GROUP_PREFIX
 
 FORGET_SETTLE_S = 15.0  # how long `forget` waits for the master to drop the forgotten replica
 FORGET_POLL_S = 0.1  # how often it asks the master meanwhile
@@ -25,9 +27,14 @@ class MembersError(ClientError):
     """A replicated group's members could not be shown or changed (the message says why)."""
 
 
+def stats_code(group: str) -> int:
+    """The stats request the members of `group` answer: delay servers or brokers."""
+    return RequestCode.DELAY_STATS if group.startswith(DELAY_GROUP_PREFIX) else RequestCode.BROKER_STATS
+
+
 def _need_meta(admin: Any) -> str:
     if admin.meta is None:
-        raise MembersError("a broker group's members are known to the meta server: give --meta")
+        raise MembersError("a replicated group's members are known to the meta server: give --meta")
     return admin.meta
 
 
@@ -41,7 +48,7 @@ def _entry(admin: Any, group: str) -> Steps[dict[str, Any]]:
         if entry["group"] == group:
             return entry
     known = ", ".join(e["group"] for e in listing.get("replication") or ()) or "none"
-    raise MembersError(f"group {group!r} is not a replicated broker group the meta server knows (known: {known})")
+    raise MembersError(f"group {group!r} is not a replicated group the meta server knows (known: {known})")
 
 
 def ack_rule(master_stats: dict[str, Any] | None) -> dict[str, Any]:
@@ -70,7 +77,7 @@ def show(admin: Any, group: str) -> Steps[dict[str, Any]]:
     addresses = sorted(reported, key=lambda a: (a != entry["master"], a))
     if entry["master"] not in reported:
         addresses.insert(0, entry["master"])
-    calls = [Call(a, RequestCode.BROKER_STATS, {}, ADMIN_TIMEOUT_S) for a in addresses]
+    calls = [Call(a, stats_code(group), {}, ADMIN_TIMEOUT_S) for a in addresses]
     replies = (yield Calls(calls)) if calls else []
     own = {a: r.get("replication") or {} for a, r in zip(addresses, replies, strict=True) if isinstance(r, dict)}
     errors = [
@@ -119,7 +126,7 @@ def forget(admin: Any, group: str, address: str, force: bool = False) -> Steps[d
         raise MembersError(f"the meta server did not forget {address}: {describe_error(done)}")
     master, waited, stats, dropped = done["master"], 0.0, None, False
     while True:
-        reply = yield Call(master, RequestCode.BROKER_STATS, {}, ADMIN_TIMEOUT_S)
+        reply = yield Call(master, stats_code(group), {}, ADMIN_TIMEOUT_S)
         stats = reply.get("replication") if isinstance(reply, dict) else None
         dropped = bool(stats) and all(r["address"] != address for r in stats.get("replicas") or ())
         if dropped or waited >= FORGET_SETTLE_S:

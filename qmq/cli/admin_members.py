@@ -1,7 +1,8 @@
 """`qmq admin group show --group G` and `qmq admin group forget --group G --broker ADDR`: the members
-of a replicated broker group (roles, epoch, offsets, lag) and the removal of one gone for good
-(docs/replication.md). Both ask the meta server, so they take --meta but not the servers-directly
-options; here `--broker` names the member."""
+of a replicated broker group or delay-server group (`--group delay:NAME`): roles, epoch, offsets,
+lag; and the removal of one gone for good (docs/replication.md). Both ask the meta server, so they
+take --meta but not the servers-directly options; here `--broker` names the member (a delay server
+too)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from qmq.cli.admin_options import admin_client, emit, table
 from qmq.cli.net_options import tls_client_options
 from qmq.cli.options import log_level_option, meta_option, stacked, token_option
 from qmq.client.blocking import blocking
+from qmq.protocol.limits import DELAY_GROUP_PREFIX
 
 member_options = stacked(
     tls_client_options,
@@ -21,7 +23,12 @@ member_options = stacked(
     token_option(),
     click.option("--json", "as_json", is_flag=True, help="print one JSON document (for scripts)"),
     log_level_option(help="logged to stderr"),
-    click.option("--group", "group_name", required=True, help="the replicated broker group (`qmq broker --group`)"),
+    click.option(
+        "--group",
+        "group_name",
+        required=True,
+        help="the replicated group: `qmq broker --group` G, or delay:NAME for `qmq delay-server --group NAME`",
+    ),
 )
 
 _show = blocking(members.show)
@@ -29,7 +36,8 @@ _forget = blocking(members.forget)
 
 
 def _render_show(data: dict[str, Any]) -> None:
-    click.echo(f"broker group {data['group']}: master {data['master']}, epoch {data['epoch']}")
+    kind = "delay-server group" if data["group"].startswith(DELAY_GROUP_PREFIX) else "broker group"
+    click.echo(f"{kind} {data['group']}: master {data['master']}, epoch {data['epoch']}")
     click.echo(f"ack rule: {data['ack_rule']['text']}")
     table(
         data["members"],
@@ -49,7 +57,7 @@ def _render_forget(data: dict[str, Any]) -> None:
 @click.command("show")
 @member_options
 def group_show(meta, token, as_json, log_level, group_name) -> None:
-    """The members of a replicated broker GROUP: role, epoch, log end, durable offset, whether in
+    """The members of a replicated GROUP: role, epoch, log end, durable offset, whether in
     sync and the lag, and what a send needs now."""
     with admin_client(meta, (), (), token, log_level) as admin:
         data = _show(admin, group_name)
@@ -61,7 +69,7 @@ def group_show(meta, token, as_json, log_level, group_name) -> None:
 @click.option("--broker", "address", required=True, metavar="HOST:PORT", help="the member gone for good")
 @click.option("--force", is_flag=True, help="even if it reported within --failover-after (it looks alive)")
 def group_forget(meta, token, as_json, log_level, group_name, address, force) -> None:
-    """Remove a member gone for good (machine lost) from a replicated broker GROUP, so it no longer
+    """Remove a member gone for good (machine lost) from a replicated GROUP, so it no longer
     counts as a replica out of sync. Refused for the master, and for a member that reported lately
     unless --force."""
     with admin_client(meta, (), (), token, log_level) as admin:

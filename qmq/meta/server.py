@@ -76,6 +76,14 @@ def _address(value: object) -> str:
     return value
 
 
+def _replicated_group(body: dict[str, Any]) -> str:
+    """The body's replicated group: a broker group's name, or `delay:NAME` for a delay-server group
+    (as META_LIST lists it)."""
+    group = field(body, "group", str)
+    validate_group(group.removeprefix(DELAY_GROUP_PREFIX))
+    return group
+
+
 class MetaService(Service):
     """The request handler (`handle`) and the liveness sweep (`sweep_forever`) over one Registry."""
 
@@ -181,8 +189,7 @@ class MetaService(Service):
     async def _switch(self, body: dict[str, Any]) -> dict[str, Any]:
         """REPL_SWITCH (`qmq admin failover`): make `to` (an in-sync replica) master, next epoch. A
         delay-server group is named `delay:NAME`, as META_LIST lists it."""
-        group = field(body, "group", str)
-        validate_group(group.removeprefix(DELAY_GROUP_PREFIX))
+        group = _replicated_group(body)
         to = _address(body["to"]) if body.get("to") is not None else None
         switched = await self._db(self.election.switch, group, to)
         if switched is None:
@@ -191,8 +198,9 @@ class MetaService(Service):
         return {"group": group, "epoch": switched.epoch, "master": switched.master}
 
     async def _forget(self, body: dict[str, Any]) -> dict[str, Any]:
-        """REPL_FORGET (`qmq admin group forget`): remove a broker group's member gone for good."""
-        group = validate_group(field(body, "group", str))
+        """REPL_FORGET (`qmq admin group forget`): remove a member gone for good from a broker group
+        or a delay-server group (`delay:NAME`)."""
+        group = _replicated_group(body)
         address = await self._db(self.registry.internal_address, _address(body.get("address")))
         force = field(body, "force", bool, False)
         try:
