@@ -169,13 +169,14 @@ async def copy(data_dir: Path, master: str, *, group: str, replica: str, epoch: 
     for name in gone:
         (partial / name).unlink(missing_ok=True)
     _drop_incomplete_buckets(partial)
-    report = VerifyReport()
+    for part in STATE_DIRS:
+        (partial / part).mkdir(parents=True, exist_ok=True)
     write_json(partial / "schedule" / CHECKPOINT_FILE, {"version": 1, "offset": int(head["offset"])})
+    report = VerifyReport()
     verify_delay_files(partial, report)
     if report.problems:
         raise SnapshotError(f"the copy of {master}'s schedule fails its checks: {'; '.join(report.problems[:5])}")
     for part in STATE_DIRS:
-        (partial / part).mkdir(exist_ok=True)
         fsync_dir(partial / part)
     fsync_dir(partial)
     epochs = [(int(e), int(s)) for e, s in head["epochs"]]
