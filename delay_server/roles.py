@@ -10,6 +10,8 @@
   At promotion they are closed and opened again as a master's: the buckets not done are loaded into
   the wheel from what is filed, less what the dispatch logs say was delivered.
 - a cut log (a deposed master) cuts the buckets, dispatch logs and cancels with it (truncation.py).
+- a replica whose log the master's retention removed (new, wiped, away too long) copies the
+  master's schedule, dispatch logs and cancels instead (snapshot.py), then fetches the log from there.
 
 A delay server without a meta server (or without `--group`) is master alone, as before replication.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from delay_server import metrics
+from delay_server import metrics, snapshot
 from delay_server.cancels import Cancels
 from delay_server.clock import Clock
 from delay_server.schedule_log import ScheduleLog
@@ -33,6 +35,8 @@ from delay_server.service import DelayService
 from delay_server.truncation import cut_back
 from qmq.client.aio import AsyncClient
 from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import ErrorCode, RemoteError
+from qmq.store import epochs as ep
 from qmq.store.store import LogStore
 
 log = logging.getLogger("qmq.delay")
@@ -158,6 +162,32 @@ class DelayDuty:
 
     def set_replicas(self, replicas: list[dict[str, Any]]) -> None:
         metrics.REPLICATION.set_replicas(replicas)
+
+    # ---- a replica that retention left behind (snapshot.py) ----------------------------------------
+
+    async def serve_snapshot(
+        self, service: DelayService, code: int, body: dict[str, Any], *, epoch: int, epochs: ep.Epochs
+    ) -> dict[str, Any]:
+        if service.failed is not None:  # the buckets may hold a half-filed batch
+            raise RemoteError(ErrorCode.UNAVAILABLE, f"the schedule log could not be written: {service.failed}")
+        data_dir = Path(service.store.data_dir)
+        if code == RequestCode.REPL_SNAPSHOT:
+            listing = snapshot.listing(data_dir, service.filed_upto, epoch, epochs)  # on the loop: see snapshot.py
+            log.info(
+                "a replica copies this master's schedule, filed up to offset %d (%d files)",
+                listing["offset"],
+                len(listing["files"]),
+            )
+            return listing
+        return await asyncio.to_thread(snapshot.read_part, data_dir, body)
+
+    async def copy_snapshot(
+        self, data_dir: Path, master: str, *, group: str, replica: str, epoch: int, token: str | None
+    ) -> snapshot.Snapshot:
+        return await snapshot.copy(data_dir, master, group=group, replica=replica, epoch=epoch, token=token)
+
+    def install_snapshot(self, data_dir: Path, copy: snapshot.Snapshot) -> None:
+        snapshot.install(data_dir, copy)
 
     def mended(self, service: DelayService, messages: list[tuple[str, int]]) -> None:
         pass  # the scheduler reads its buckets, not the message log: nobody waits on a damaged record

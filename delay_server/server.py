@@ -11,6 +11,7 @@ files it, fires nothing), `delay_server/roles.py` over `qmq/replication/roles.py
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import resource
 import time
@@ -23,12 +24,14 @@ from delay_server.roles import DelayDuty, DelaySettings
 from delay_server.schedule_log import DEFAULT_BUCKET_MINUTES
 from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S
 from delay_server.service import DEFAULT_MAX_DELAY_S
+from delay_server.snapshot import discard_interrupted
 from qmq import metrics as prometheus
 from qmq.client.aio import AsyncClient
 from qmq.net.server import Server, run_process, stop_on_signals
 from qmq.replication.roles import Roles, join
+from qmq.store import store as log_store
 from qmq.store.followers import MAX_LAG_S
-from qmq.store.store import LogStore, StoreConfig
+from qmq.store.store import DEFAULT_CLEAN_INTERVAL_S, LogStore, StoreConfig
 
 log = logging.getLogger("qmq.delay")
 
@@ -38,6 +41,20 @@ METRICS_INTERVAL_S = 5.0
 # The message log is only a write-ahead log here: small segments and frequent checkpoints keep what a
 # restart CRC-checks and replays small (the newest three segments, and what follows the checkpoint).
 STORE_CONFIG = StoreConfig(segment_bytes=128 * 1024 * 1024, checkpoint_bytes=64 * 1024 * 1024)
+DEFAULT_LOG_RETENTION_S = log_store.DEFAULT_RETENTION_S  # the message log's; buckets keep pending messages longer
+CLEANS_PER_RETENTION = 10  # a short log retention (tests) is looked at this often per period, at least
+
+
+def store_config_for(segment_bytes: int | None = None, log_retention_s: float = DEFAULT_LOG_RETENTION_S) -> StoreConfig:
+    """The delay server's log-store settings: `segment_bytes` (default 128 MiB) and the message
+    log's retention, which the cleaner checks at least every tenth of it (never less than every
+    minute)."""
+    return dataclasses.replace(
+        STORE_CONFIG,
+        segment_bytes=segment_bytes or STORE_CONFIG.segment_bytes,
+        retention_s=log_retention_s,
+        clean_interval_s=min(DEFAULT_CLEAN_INTERVAL_S, log_retention_s / CLEANS_PER_RETENTION),
+    )
 
 
 async def serve_delay_server(
@@ -59,6 +76,8 @@ async def serve_delay_server(
     load_ahead_s: float = DEFAULT_LOAD_AHEAD_S,
     retention_s: float = DEFAULT_RETENTION_S,
     clock_file: str | Path | None = None,
+    segment_bytes: int | None = None,
+    log_retention_s: float = DEFAULT_LOG_RETENTION_S,
     store_config: StoreConfig | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -67,7 +86,8 @@ async def serve_delay_server(
     started = time.monotonic()
     data_dir = Path(data_dir)
     clock = Clock(clock_file)
-    config = store_config or STORE_CONFIG
+    config = store_config or store_config_for(segment_bytes, log_retention_s)
+    await asyncio.to_thread(discard_interrupted, data_dir)  # a crash while installing a copy (snapshot.py)
     store = await asyncio.to_thread(LogStore, data_dir, config)
     roles = None
     try:

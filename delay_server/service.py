@@ -14,7 +14,8 @@ a master answers a send or cancel only once enough replicas hold it too (`acknow
 `read_only` when too few are in sync; a replica files what it copies (`catch_up`), so a promoted
 replica only loads its buckets into the wheel.
 
-At start, `recover` files again what the message log holds after the last checkpoint.
+At start, `recover` files again what the message log holds after the last checkpoint (a replica
+that copied the master's schedule, snapshot.py, files nothing until its log passes the copy's end).
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ class DelayService(Service):
         """File into the buckets what the message log holds after the schedule checkpoint (a crash
         may have left it unfiled or half-filed); how many records. Blocking: run it before serving."""
         start = self.schedule.checkpoint_offset
+        if start > self.store.end_offset:  # a copy of the master's schedule (snapshot.py), its log still coming
+            self.filed_upto = start
+            log.info("schedule log filed up to %d (a copy of the master's): the log is copied up to there", start)
+            return 0
         if start < self.store.start_offset:
             log.error(
                 "the message log from %d was removed before it was filed into the schedule log (filed up to "

@@ -9,9 +9,17 @@ import click
 
 from delay_server.schedule_log import BUCKET_MINUTES, DEFAULT_BUCKET_MINUTES, ScheduleError
 from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S
-from delay_server.server import DEFAULT_HOST, DEFAULT_PORT, run
+from delay_server.server import DEFAULT_HOST, DEFAULT_LOG_RETENTION_S, DEFAULT_PORT, STORE_CONFIG, run
 from delay_server.service import DEFAULT_MAX_DELAY_S
-from qmq.cli.broker import ACK_REPLICAS, ADVERTISE, ADVERTISE_EXTERNAL, CLIENTS_TOKEN_HELP, MAX_LAG
+from qmq.cli.broker import (
+    ACK_REPLICAS,
+    ADVERTISE,
+    ADVERTISE_EXTERNAL,
+    CLIENTS_TOKEN_HELP,
+    MAX_LAG,
+    MAX_SEGMENT_MIB,
+    MIB,
+)
 from qmq.cli.net_options import server_net_options
 from qmq.cli.options import (
     brokers_option,
@@ -29,6 +37,14 @@ DAY_S = 86400
 HOUR_S = 3600
 MAX_DELAY_DAYS = DEFAULT_MAX_DELAY_S / DAY_S
 RETENTION_HOURS = DEFAULT_RETENTION_S / HOUR_S
+LOG_RETENTION_HOURS = DEFAULT_LOG_RETENTION_S / HOUR_S
+LOG_RETENTION_HELP = (
+    "keep message-log segments this long (pending messages stay in the buckets; a new replica copies "
+    "those when the log it would need is gone)"
+)
+SEGMENT_MIB_HELP = (
+    "size at which a message-log segment file is closed and the next begun (retention removes whole segments)"
+)
 BUCKET_CHOICES = [str(m) for m in BUCKET_MINUTES]
 BUCKET_DEFAULT = str(DEFAULT_BUCKET_MINUTES)
 LOAD_AHEAD_S = DEFAULT_LOAD_AHEAD_S
@@ -61,10 +77,21 @@ CLOCK_FILE_HELP = "for tests: a file holding seconds to add to the clock, re-rea
     "--load-ahead", click.FloatRange(min=1), DEFAULT_LOAD_AHEAD_S, LOAD_AHEAD_HELP, "load_ahead_s", metavar="SECONDS"
 )
 @tuning("--retention", click.FloatRange(min=0), RETENTION_HOURS, "keep delivered buckets this long", metavar="HOURS")
+@tuning("--segment-mib", click.IntRange(1, MAX_SEGMENT_MIB), STORE_CONFIG.segment_bytes // MIB, SEGMENT_MIB_HELP)
+@tuning(
+    "--log-retention", click.FloatRange(min=0, min_open=True), LOG_RETENTION_HOURS, LOG_RETENTION_HELP, metavar="HOURS"
+)
 @click.option("--clock-file", envvar="QMQ_DELAY_CLOCK_FILE", type=click.Path(dir_okay=False), help=CLOCK_FILE_HELP)
 @log_level_option("INFO", "DEBUG, INFO, WARNING or ERROR")
 def delay_server(
-    data_dir: str, max_delay: float, bucket_minutes: str, retention: float, log_level: str, **settings: Any
+    data_dir: str,
+    max_delay: float,
+    bucket_minutes: str,
+    retention: float,
+    segment_mib: int,
+    log_retention: float,
+    log_level: str,
+    **settings: Any,
 ) -> None:
     """Run a delay server: keeps delayed messages on disk and hands each to a broker when it is due."""
     setup_logging(log_level, server=True)
@@ -82,6 +109,8 @@ def delay_server(
             max_delay_s=max_delay * DAY_S,
             bucket_minutes=int(bucket_minutes),
             retention_s=retention * HOUR_S,
+            segment_bytes=segment_mib * MIB,
+            log_retention_s=log_retention * HOUR_S,
             **settings,
         )
     except (StoreError, ScheduleError) as exc:

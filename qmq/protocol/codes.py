@@ -53,6 +53,12 @@ class RequestCode(IntEnum):
     # to any member of a group: {"group", "start", "end"} -> {"data"}: its copy of whole records [start, end),
     # CRC-checked, to mend a damaged region of the asker's log
     REPL_READ = 125
+    # to a master that keeps state beside its log (a delay server's schedule), asked by a replica whose
+    # offset retention removed: {"group", "replica", "epoch"} -> {"epoch", "offset", "log_start", "epochs",
+    # "files": [[name, size], ...]}: that state as filed up to "offset" (docs/replication.md)
+    REPL_SNAPSHOT = 126
+    # {"epoch", "name", "offset", "size"} -> {"data", "gone"}: bytes of one file of a REPL_SNAPSHOT listing
+    REPL_SNAPSHOT_READ = 127
 
     # Ordered subjects (docs/ordering.md); an ordered pull is a BROKER_PULL with "queues".
     BROKER_QUEUE_LOCK = 130  # {"subject", "group", "consumer", "queues", "release"} -> {"held", "members", ...}

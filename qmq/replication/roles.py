@@ -10,6 +10,11 @@ the store and swaps what runs over it:
   chunk); client requests are answered NOT_MASTER with the master's address;
 - **pending**: started with a meta server that has not answered yet: NOT_MASTER, nobody named.
 
+A replica whose fetch offset the master's retention removed (new, wiped, or away longer than the
+retention) cannot copy the log from there. A server that keeps state beside its log (a delay
+server's buckets) copies that state from the master instead (the duty's optional snapshot methods,
+REPL_SNAPSHOT), installs it with the store closed, and fetches the log from where the copy ends.
+
 A server without a meta server is master at once with nothing to wait for, as before replication.
 
 Transitions follow the meta server's answers (`on_meta_reply`), one at a time, newest wish first.
@@ -42,7 +47,7 @@ from qmq.protocol.fields import body_of
 from qmq.replication.fetcher import Fetcher, ask_epoch_end
 from qmq.replication.mending import mend_damage, serve_copy
 from qmq.store import epochs as ep
-from qmq.store.followers import MAX_LAG_S, Followers, NotEnoughReplicas
+from qmq.store.followers import MAX_LAG_S, RETENTION_REFUSED, Followers, NotEnoughReplicas
 from qmq.store.replication import truncate_log
 from qmq.store.store import LogStore, StoreConfig
 
@@ -70,7 +75,13 @@ class MasterService(Protocol):
 
 
 class Duty(Protocol):
-    """What one kind of server (broker, delay server) does in each role; `Roles` calls it."""
+    """What one kind of server (broker, delay server) does in each role; `Roles` calls it.
+
+    Optional, for a server whose state beside the log outlives the log's retention (a delay
+    server): `async serve_snapshot(service, code, body, *, epoch, epochs) -> dict` on a master
+    (REPL_SNAPSHOT, REPL_SNAPSHOT_READ), and on a replica `async copy_snapshot(data_dir, master, *,
+    group, replica, epoch, token)` (the copy, beside the open store) then `install_snapshot(data_dir,
+    copy)` (blocking, the store closed)."""
 
     kind: str  # "broker", "delay server": the start of each role-change log line
     stats_code: RequestCode  # answered by a server that is not master too
@@ -167,6 +178,7 @@ class Roles:
         self.changed = asyncio.Event()  # set at every role change (tests and the process wait on it)
         self._wish: Wish | None = None
         self._redo = False  # the fetcher asked to rejoin (truncation) even if the wish is the same
+        self._from_snapshot = False  # the master's retention removed this replica's offset: copy its state
         self._transition: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._mending: asyncio.Task[None] | None = None
@@ -251,12 +263,27 @@ class Roles:
             return await followers.epoch_end(_body(request))
         if code == RequestCode.REPL_HANDOFF and followers is not None:
             return await self._handoff(followers, _body(request))
+        if code in (RequestCode.REPL_SNAPSHOT, RequestCode.REPL_SNAPSHOT_READ):
+            return await self._serve_snapshot(service, code, _body(request))
         if self.replicated:
             self._check_client_epoch(request.body)
         reply = await service.handle(request, peer)
         if code == self.duty.stats_code and reply is not None:
             reply["replication"] = self.replication_stats()
         return reply
+
+    async def _serve_snapshot(self, service: MasterService, code: int, body: dict[str, Any]) -> dict[str, Any]:
+        """REPL_SNAPSHOT / REPL_SNAPSHOT_READ from a replica that retention left behind: the duty's
+        state beside the log, of this epoch only (a copy begun under another master is begun again)."""
+        serve = getattr(self.duty, "serve_snapshot", None)
+        if serve is None:
+            raise RemoteError(ErrorCode.BAD_REQUEST, f"a {self.duty.kind}'s replicas copy its log only: no snapshot")
+        asked = body.get("epoch")
+        if asked != self.epoch:
+            raise RemoteError(
+                ErrorCode.NOT_MASTER, f"a snapshot of epoch {asked} was asked; this master serves epoch {self.epoch}"
+            )
+        return await serve(service, code, body, epoch=self.epoch, epochs=self.epochs)
 
     def _check_client_epoch(self, body: Any) -> None:
         """A client that names a newer epoch than this master's learned of a failover this server
@@ -381,7 +408,10 @@ class Roles:
         await self._stop_fetcher()
         self.role, self.epoch, self.master = Role.PENDING, epoch, master
         mine = ep.last_epoch(self.epochs)
-        if mine > 0 and self.store.end_offset > 0:
+        if self._from_snapshot:
+            await self._close_replica()
+            await self._start_over_from_snapshot(master, epoch)
+        elif mine > 0 and self.store.end_offset > 0:
             end_offset = await ask_epoch_end(master, mine, token=self.token, client_id=f"replica-{self.address}")
             if end_offset < self.store.end_offset:
                 await self._close_replica()
@@ -435,6 +465,33 @@ class Roles:
             cut,
         )
 
+    async def _start_over_from_snapshot(self, master: str, epoch: int) -> None:
+        """Copy the master's state beside its log (the store still open, so a failed copy changes
+        nothing), install it with the store closed, and reopen the store: its log now begins, empty,
+        where the copy's begins, and the fetcher goes on from there."""
+        before = self.store.end_offset
+        copy = await self.duty.copy_snapshot(  # type: ignore[attr-defined]
+            self.data_dir, master, group=self.group, replica=self.address, epoch=epoch, token=self.token
+        )
+        await asyncio.to_thread(self.store.close)
+        try:
+            await asyncio.to_thread(self.duty.install_snapshot, self.data_dir, copy)  # type: ignore[attr-defined]
+        finally:
+            self.store = await asyncio.to_thread(LogStore, self.data_dir, self.config)
+            self.store.damage.mendable = self.replicated
+            self.epochs = ep.load(self.data_dir)
+        self._from_snapshot = False
+        log.warning(
+            "%s group %s: %s copied the state of master %s (its log from %d was removed by retention); "
+            "fetching its log from %d",
+            self.duty.kind,
+            self.group,
+            self.address,
+            master,
+            before,
+            self.store.end_offset,
+        )
+
     async def _stop_master(self, error: RemoteError) -> None:
         if self.followers is not None:
             self.followers.close(error)
@@ -484,7 +541,16 @@ class Roles:
                 self.membership.poke()
 
     def _fetch_trouble(self, exc: RemoteError) -> None:
-        if exc.code == ErrorCode.BAD_REQUEST and "truncate" in exc.message:
+        retention = exc.code == ErrorCode.BAD_REQUEST and RETENTION_REFUSED in exc.message
+        if retention and hasattr(self.duty, "copy_snapshot") and not self._from_snapshot:
+            self._from_snapshot = True
+            log.warning(
+                "%s group %s: the master no longer holds this replica's log from %d: copying its state instead",
+                self.duty.kind,
+                self.group,
+                self.store.end_offset,
+            )
+        if exc.code == ErrorCode.BAD_REQUEST and ("truncate" in exc.message or self._from_snapshot):
             self._redo = True
             if self._wish is not None:
                 self._want(self._wish)

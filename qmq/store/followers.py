@@ -34,6 +34,7 @@ MAX_LAG_S = 5.0  # a replica that has not caught up for this long is out of sync
 MAX_LAG_BYTES = 64 * 1024 * 1024  # nor one this far behind
 MAX_FETCH_BYTES = 12 * 1024 * 1024  # one REPL_FETCH reply carries at most this (frames are 16 MiB)
 MAX_FETCH_WAIT_MS = 30_000
+RETENTION_REFUSED = "removed by retention"  # in the refusal of a fetch from before the log's start
 
 
 class NotEnoughReplicas(Exception):
@@ -202,7 +203,7 @@ class Followers:
         if offset < self.store.start_offset:
             raise RemoteError(
                 ErrorCode.BAD_REQUEST,
-                f"offset {offset} was removed by retention (log starts at {self.store.start_offset})",
+                f"offset {offset} was {RETENTION_REFUSED} (log starts at {self.store.start_offset})",
             )
         now = time.monotonic()
         state = self.replicas.get(replica)
