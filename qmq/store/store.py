@@ -508,6 +508,11 @@ class LogStore:
         if self.config.flush is FlushMode.SYNC:
             await self.flusher.durable(offset)
 
+    def request_flush(self, offset: int) -> None:
+        """Start the fsync of everything before `offset` now, whatever the flush mode, without
+        waiting for it (`flushed` waits): a replica's next fetch goes out while it runs."""
+        self.flusher.request(offset)
+
     async def flushed(self, offset: int) -> None:
         """Await the fsync of everything before `offset`, whatever the flush mode: for state saved
         beside the log (a snapshot) that must never get ahead of it."""
