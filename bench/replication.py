@@ -195,7 +195,7 @@ def py_spy(cluster: Cluster, port: int, name: str, seconds: float) -> subprocess
         print("# py-spy is not installed: pip install py-spy", file=sys.stderr)
         return None
     out = Path(os.environ.get("QMQ_BENCH_PROFILE_DIR", tempfile.gettempdir())) / f"{name}.txt"
-    args = [exe, "record", "-p", str(cluster.procs[port].pid), "-d", str(int(seconds)), "-r", "200"]
+    args = [exe, "record", "-p", str(cluster.procs[port].pid), "-d", str(int(seconds)), "-r", "200", "--gil"]
     args += ["--format", "raw", "-o", str(out), "--nonblocking"]
     print(f"# profiling {name} into {out}", file=sys.stderr)
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
