@@ -99,11 +99,21 @@ class Cluster:
             await conn.close()
 
     async def wait_role(self, port: int, role: str) -> None:
-        while ((await self.stats(port)) or {}).get("role") != role:
-            await asyncio.sleep(0.05)
+        await self._wait(port, lambda stats: stats.get("role") == role, f"role {role}")
 
     async def wait_writable(self, port: int) -> None:
-        while not ((await self.stats(port)) or {}).get("writable"):
+        await self._wait(port, lambda stats: bool(stats.get("writable")), "writable")
+
+    async def _wait(self, port: int, ready, what: str, timeout_s: float = 60.0) -> None:
+        """Until the broker on `port` reports `ready`; RuntimeError when it exited (another process
+        took its port between free_port and its bind) or took over `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not ready((await self.stats(port)) or {}):
+            proc = self.procs.get(port)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the broker on port {port} exited with {proc.returncode} (see {self.dir})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the broker on port {port} was not {what} within {timeout_s:g} s")
             await asyncio.sleep(0.05)
 
     def stop(self, keep: bool = False) -> None:
@@ -195,7 +205,7 @@ def py_spy(cluster: Cluster, port: int, name: str, seconds: float) -> subprocess
         print("# py-spy is not installed: pip install py-spy", file=sys.stderr)
         return None
     out = Path(os.environ.get("QMQ_BENCH_PROFILE_DIR", tempfile.gettempdir())) / f"{name}.txt"
-    args = [exe, "record", "-p", str(cluster.procs[port].pid), "-d", str(int(seconds)), "-r", "200", "--gil"]
+    args = [exe, "record", "-p", str(cluster.procs[port].pid), "-d", str(int(seconds)), "-r", "200"]
     args += ["--format", "raw", "-o", str(out), "--nonblocking"]
     print(f"# profiling {name} into {out}", file=sys.stderr)
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -216,8 +226,10 @@ def produce_round(replicated: bool, args: argparse.Namespace, profile: bool) -> 
                 if spy is not None:
                     spies.append(spy)
             time.sleep(0.5)
+        client = time.process_time()
         r = asyncio.run(produce(port, args.messages, args.batch, args.size, connections=2, inflight=args.inflight))
         after = cpu_of(cluster)
+        r["client_cpu_ms"] = (time.process_time() - client) * 1e6 / r["messages"]
         for spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes its output on ^C
             spy.wait(30)
@@ -240,6 +252,7 @@ def report_produce(args: argparse.Namespace) -> None:
             rates[replicated].append(r["rate"])
             name = "replicated (--ack-replicas 1)" if replicated else "single broker"
             cpu = f"master {r['cpu_ms'][0]:.1f}" + (f", replica {r['cpu_ms'][1]:.1f}" if replicated else "")
+            cpu += f", load generator {r['client_cpu_ms']:.1f}"
             print(
                 f"produce  round {n + 1} {name:<30} {r['rate']:>8,.0f} msg/s "
                 f"(batch p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms; CPU ms per 1,000: {cpu}; "

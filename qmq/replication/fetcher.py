@@ -39,7 +39,9 @@ log = logging.getLogger("qmq.replica")
 FETCH_WAIT_MS = 500  # a fetch waits this long for new records before answering empty
 RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # between failed fetches, the last repeated
 REPLY_GRACE_S = 10.0  # a fetch's reply may come this long after its wait
-INLINE_APPEND_BYTES = 256 * 1024  # smaller chunks are written on the event loop
+# Smaller chunks are written on the event loop: a thread would hold the GIL for most of the write
+# (checking records is Python) and keep the loop, and so the next report, waiting for it.
+INLINE_APPEND_BYTES = 1024 * 1024
 MAX_UNSYNCED_BYTES = 2 * CATCH_UP_CHUNK_BYTES  # the fetch loop waits while this much is written, not durable
 
 
@@ -229,11 +231,10 @@ class Fetcher:
         self.master_end = int(reply.get("end", 0))
         if data:
             if len(data) <= INLINE_APPEND_BYTES:  # a few writes: cheaper than a thread hop
-                end = self.store.append_replicated(data, offset)
+                self.store.append_replicated(data, offset)
             else:
-                end = await asyncio.to_thread(self.store.append_replicated, data, offset)
+                await asyncio.to_thread(self.store.append_replicated, data, offset)
             self.damaged_at = None
-            self.store.request_flush(end)  # its fsync starts now, while the next fetch goes out
             self._written.set()
         masters = [(int(e), int(s)) for e, s in reply.get("epochs") or ()]
         merged = ep.merged(self.epochs, masters, self.store.end_offset)

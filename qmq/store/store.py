@@ -371,8 +371,9 @@ class LogStore:
         """Append a chunk of the master's message log that begins at `offset` (this log's end):
         whole records, each CRC-checked before any is written (`ChunkError` otherwise), stored byte
         for byte in one write, their consume-log and index entries derived as recovery derives them
-        (one write per subject's run of entries). Durable once `durable(end)` says so. Returns the
-        new end."""
+        (one write per subject's run of entries). Its fsync is asked for as soon as the log's bytes
+        are written, before the derived files (which no acknowledgement waits for): durable once
+        `durable(end)` / `flushed(end)` says so. Returns the new end."""
         checked = check_chunk(data, offset)
         subjects = {}
         for subject_b, _first, _entries in checked.runs:
@@ -388,6 +389,7 @@ class LogStore:
                 )
             try:
                 self.message_log.append_chunk(data, checked.sizes)
+                self.flusher.request(self.message_log.end_offset)  # runs while the derived files are written
                 next_seq = self._next_seq
                 for subject_b, first, entries in checked.runs:
                     subject = subjects[subject_b]
@@ -530,11 +532,6 @@ class LogStore:
         flush mode; nothing in async mode (the next periodic flush covers it)."""
         if self.config.flush is FlushMode.SYNC:
             await self.flusher.durable(offset)
-
-    def request_flush(self, offset: int) -> None:
-        """Start the fsync of everything before `offset` now, whatever the flush mode, without
-        waiting for it (`flushed` waits): a replica's next fetch goes out while it runs."""
-        self.flusher.request(offset)
 
     async def flushed(self, offset: int) -> None:
         """Await the fsync of everything before `offset`, whatever the flush mode: for state saved
