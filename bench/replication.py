@@ -20,6 +20,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,8 @@ HOST = "127.0.0.1"
 class Cluster:
     """Brokers (and a meta server when `replicated`) in a temporary directory."""
 
-    def __init__(self, replicated: bool, members: int = 2, failover_after: float = 10.0) -> None:
+    def __init__(self, replicated: bool, members: int = 2, failover_after: float = 10.0, tree: Path = ROOT) -> None:
+        self.tree = tree
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-repl-"))
         self.procs: dict[int, subprocess.Popen] = {}
         self.meta: str | None = None
@@ -70,7 +72,7 @@ class Cluster:
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - the child's
-        proc = subprocess.Popen([sys.executable, "-m", "qmq", *args], cwd=ROOT, stdout=log, stderr=log)
+        proc = subprocess.Popen([sys.executable, "-m", "qmq", *args], cwd=self.tree, stdout=log, stderr=log)
         log.close()
         return proc
 
@@ -97,11 +99,21 @@ class Cluster:
             await conn.close()
 
     async def wait_role(self, port: int, role: str) -> None:
-        while ((await self.stats(port)) or {}).get("role") != role:
-            await asyncio.sleep(0.05)
+        await self._wait(port, lambda stats: stats.get("role") == role, f"role {role}")
 
     async def wait_writable(self, port: int) -> None:
-        while not ((await self.stats(port)) or {}).get("writable"):
+        await self._wait(port, lambda stats: bool(stats.get("writable")), "writable")
+
+    async def _wait(self, port: int, ready, what: str, timeout_s: float = 60.0) -> None:
+        """Until the broker on `port` reports `ready`; RuntimeError when it exited (another process
+        took its port between free_port and its bind) or took over `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not ready((await self.stats(port)) or {}):
+            proc = self.procs.get(port)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the broker on port {port} exited with {proc.returncode} (see {self.dir})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the broker on port {port} was not {what} within {timeout_s:g} s")
             await asyncio.sleep(0.05)
 
     def stop(self, keep: bool = False) -> None:
@@ -180,47 +192,129 @@ async def failover_time(cluster: Cluster) -> dict:
         await asyncio.sleep(0.01)
 
 
+def cpu_of(cluster: Cluster) -> dict[int, float]:
+    """CPU seconds so far of each broker of `cluster` (the meta server left out)."""
+    return {port: cpu_seconds(cluster.procs[port].pid) for port in cluster.ports}
+
+
+def py_spy(cluster: Cluster, port: int, name: str, seconds: float) -> subprocess.Popen | None:
+    """`py-spy record` of the broker on `port` for `seconds` into <name>.svg beside this run's
+    logs (py-spy from the venv, when installed)."""
+    exe = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if exe is None:
+        print("# py-spy is not installed: pip install py-spy", file=sys.stderr)
+        return None
+    out = Path(os.environ.get("QMQ_BENCH_PROFILE_DIR", tempfile.gettempdir())) / f"{name}.txt"
+    args = [exe, "record", "-p", str(cluster.procs[port].pid), "-d", str(int(seconds)), "-r", "200"]
+    args += ["--format", "raw", "-o", str(out), "--nonblocking"]
+    print(f"# profiling {name} into {out}", file=sys.stderr)
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def produce_round(replicated: bool, args: argparse.Namespace, profile: bool) -> dict:
+    """One produce run on a new cluster: rate, batch latency, CPU per 1,000 messages of each broker."""
+    cluster = Cluster(replicated, tree=args.tree)
+    try:
+        port = cluster.ports[0]
+        before = cpu_of(cluster)
+        load = os.getloadavg()[0]
+        spies = []
+        if profile:
+            for i, p in enumerate(cluster.ports):
+                kind = ("master" if i == 0 else "replica") if replicated else "single"
+                spy = py_spy(cluster, p, f"qmq-{kind}", args.messages / 8000 + 5)
+                if spy is not None:
+                    spies.append(spy)
+            time.sleep(0.5)
+        client = time.process_time()
+        r = asyncio.run(produce(port, args.messages, args.batch, args.size, connections=2, inflight=args.inflight))
+        after = cpu_of(cluster)
+        r["client_cpu_ms"] = (time.process_time() - client) * 1e6 / r["messages"]
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output on ^C
+            spy.wait(30)
+        r["load"] = load
+        r["cpu_ms"] = [(after[p] - before[p]) * 1e6 / r["messages"] for p in cluster.ports]
+    except BaseException:
+        cluster.stop(keep=True)
+        raise
+    cluster.stop()
+    return r
+
+
+def report_produce(args: argparse.Namespace) -> None:
+    """Single and replicated interleaved, `args.rounds` times; each round's ratio, then the medians."""
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    ratios = []
+    for n in range(args.rounds):
+        for replicated in (False, True):
+            r = produce_round(replicated, args, profile=args.profile and n == 0)
+            rates[replicated].append(r["rate"])
+            name = "replicated (--ack-replicas 1)" if replicated else "single broker"
+            cpu = f"master {r['cpu_ms'][0]:.1f}" + (f", replica {r['cpu_ms'][1]:.1f}" if replicated else "")
+            cpu += f", load generator {r['client_cpu_ms']:.1f}"
+            print(
+                f"produce  round {n + 1} {name:<30} {r['rate']:>8,.0f} msg/s "
+                f"(batch p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms; CPU ms per 1,000: {cpu}; "
+                f"load {r['load']:.2f})",
+                flush=True,
+            )
+        ratios.append(rates[True][-1] / rates[False][-1])
+        print(f"produce  round {n + 1} replicated / single: {ratios[-1]:.0%}", flush=True)
+    print(
+        f"produce  {args.rounds} rounds, batch {args.batch}, 2 conns x {args.inflight} in flight, "
+        f"{args.messages:,} messages each: single median {statistics.median(rates[False]):,.0f} msg/s, "
+        f"replicated median {statistics.median(rates[True]):,.0f} msg/s; ratio per round "
+        f"{', '.join(f'{x:.0%}' for x in ratios)} (median {statistics.median(ratios):.0%})"
+    )
+
+
+def report_latency(args: argparse.Namespace) -> None:
+    for n in range(args.rounds):
+        for replicated in (False, True):
+            cluster = Cluster(replicated, tree=args.tree)
+            name = "replicated (--ack-replicas 1)" if replicated else "single broker"
+            try:
+                load = os.getloadavg()[0]
+                r = asyncio.run(send_latency(cluster.ports[0], 1000, 10, args.size))
+                print(
+                    f"latency  round {n + 1} {name:<30} 1,000 msg/s for 10 s, send to ack: "
+                    f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms (load {load:.2f})",
+                    flush=True,
+                )
+            except BaseException:
+                cluster.stop(keep=True)
+                raise
+            cluster.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("case", nargs="?", default="all", choices=["all", "produce", "latency", "failover"])
-    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--inflight", type=int, default=4, help="requests in flight per connection (2 connections)")
+    parser.add_argument("--rounds", type=int, default=3, help="single and replicated, interleaved, this many times")
     parser.add_argument("--failover-after", type=float, default=10.0)
+    parser.add_argument("--tree", type=Path, default=ROOT, help="run the brokers of another checkout")
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy the brokers in the first round (raw stacks, $TMPDIR)"
+    )
     args = parser.parse_args()
     install_uvloop()
     print(
         f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, sync flush, "
-        f"{args.size} B messages, load average {os.getloadavg()[0]:.2f}"
+        f"{args.size} B messages, brokers of {args.tree}, load average {os.getloadavg()[0]:.2f}"
     )
     cases = ["produce", "latency", "failover"] if args.case == "all" else [args.case]
     for case in cases:
-        if case in ("produce", "latency"):
-            for replicated in (False, True):
-                cluster = Cluster(replicated)
-                name = "replicated (--ack-replicas 1)" if replicated else "single broker"
-                try:
-                    port = cluster.ports[0]
-                    cpu = cpu_seconds(cluster.procs[port].pid)
-                    if case == "produce":
-                        r = asyncio.run(produce(port, args.messages, 64, args.size, connections=2, inflight=4))
-                        cpu_ms = (cpu_seconds(cluster.procs[port].pid) - cpu) * 1e6 / r["messages"]
-                        print(
-                            f"produce  {name:<30} batch 64, 2 conns x 4 in flight: {r['rate']:>8,.0f} msg/s "
-                            f"(batch p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms; "
-                            f"master CPU {cpu_ms:.1f} ms per 1,000)"
-                        )
-                    else:
-                        r = asyncio.run(send_latency(port, 1000, 10, args.size))
-                        print(
-                            f"latency  {name:<30} 1,000 msg/s for 10 s, send to ack: "
-                            f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms"
-                        )
-                except BaseException:
-                    cluster.stop(keep=True)
-                    raise
-                cluster.stop()
+        if case == "produce":
+            report_produce(args)
+        elif case == "latency":
+            report_latency(args)
         else:
-            cluster = Cluster(True, members=3, failover_after=args.failover_after)
+            cluster = Cluster(True, members=3, failover_after=args.failover_after, tree=args.tree)
             try:
                 asyncio.run(cluster.wait_role(cluster.ports[2], "replica"))
                 r = asyncio.run(failover_time(cluster))

@@ -25,7 +25,16 @@ from qmq.store import record as rec
 from qmq.store.damage import MEND_GIVE_UP_S
 from tests.support.broker import RawConsumer, restart_broker, send, start_broker
 from tests.support.databases import fresh_database
-from tests.support.replication import HOST, replication, start_member, start_meta, wait_for, wait_in_sync, wait_role
+from tests.support.replication import (
+    HOST,
+    meta_in_sync,
+    replication,
+    start_member,
+    start_meta,
+    wait_for,
+    wait_in_sync,
+    wait_role,
+)
 
 SUBJECT = "mend.orders"
 COUNT = 3000
@@ -179,6 +188,7 @@ def test_a_new_replica_catches_up_past_a_record_damaged_on_the_master(processes,
 
     # The replica derived its consume log from the blank record: after a failover a new group on it
     # still meets the lost message as a dead letter, not as a silent hole.
+    meta_in_sync(meta, "g1", b)  # promotable
     processes.kill(a.proc, signal.SIGKILL)
     wait_role(b, "master", epoch=2)
     ids = consume_all(b, COUNT - 1, group="after")

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from qmq.store import epochs as ep
-from qmq.store.replication import ChunkError, split_chunk, truncate_log, whole_prefix
+from qmq.store import record as rec
+from qmq.store.consume_log import pack_entry
+from qmq.store.replication import ChunkError, check_chunk, split_chunk, truncate_log, whole_prefix
 from qmq.store.store import LogStore, Message, StoreError
 from qmq.store.verify import verify
 from tests.support.stores import SMALL, payload_for
@@ -110,3 +112,55 @@ def test_epochs_say_where_each_epoch_ends(tmp_path) -> None:
     (tmp_path / ep.FILE_NAME).write_text("3 500\n1 0\n")
     with pytest.raises(ValueError):
         ep.load(tmp_path)
+
+
+def test_a_whole_log_in_one_chunk_rolls_at_the_masters_records_and_derives_what_records_do(tmp_path) -> None:
+    with LogStore(tmp_path / "m", SMALL) as master, LogStore(tmp_path / "r", SMALL) as replica:
+        for i in range(0, 300, 10):  # two subjects interleaved, with keys and tags
+            master.append_durable(
+                [
+                    Message("ab"[j % 2], f"m-{j}", payload_for(f"m-{j}"), key=f"k{j % 7}", tags=["t1", f"t{j % 3}"])
+                    for j in range(i, i + 10)
+                ]
+            )
+        assert len(master.message_log.segments) >= 3  # rolled twice
+        chunk = master.read_chunk(0, 1 << 22)
+        assert len(chunk) == master.end_offset
+        checked = check_chunk(chunk, 0)
+        _pieces, records = split_chunk(chunk, 0)
+        assert checked.sizes == [r.size for r in records]
+        expected_pairs = []
+        for r in records:
+            expected_pairs.append((rec.key_hash(r.message_id.encode()), r.offset))
+            expected_pairs.append((rec.key_hash(r.key.encode(), r.subject.encode()), r.offset))
+        assert checked.index_pairs == expected_pairs
+        entries: dict[bytes, bytes] = {}
+        for r in records:
+            entry = pack_entry(r.offset, r.size, rec.tag_mask(r.tags), r.store_ts)
+            entries[r.subject.encode()] = entries.get(r.subject.encode(), b"") + entry
+        assert {subject: (first, data) for subject, first, data in checked.runs} == {
+            subject: (0, data) for subject, data in entries.items()
+        }
+        replica.append_replicated(chunk, 0)  # one write, rolled where the master rolled
+        assert segment_bytes(replica) == segment_bytes(master)
+        assert [s.base for s in replica.message_log.segments] == [s.base for s in master.message_log.segments]
+        assert replica.next_seq("a") == master.next_seq("a") == 150
+        assert [r.message_id for r in replica.read("b", 140, 10, tags=["t1", "t2"], match_all=True).records] == [
+            f"m-{j}" for j in range(281, 300, 2) if j % 3 == 2
+        ]
+        by_key = [r.message_id for r in master.find_by_key("a", "k3")]
+        assert by_key and [r.message_id for r in replica.find_by_key("a", "k3")] == by_key
+
+
+def test_blank_records_are_copied_and_derive_nothing() -> None:
+    blank = rec.encode_blank(100)
+    message = rec.encode(rec.Attr.MESSAGE, 0, 1, 0, b"s", b"id", b"", b"", b"x")
+    checked = check_chunk(blank + message, 1000)
+    assert checked.sizes == [100, len(message)]
+    assert checked.index_pairs == [(rec.key_hash(b"id"), 1100)]
+    assert [(subject, first) for subject, first, _ in checked.runs] == [(b"s", 0)]
+    damaged = bytearray(blank + message)
+    damaged[-1] ^= 1
+    with pytest.raises(ChunkError) as caught:
+        check_chunk(bytes(damaged), 1000)
+    assert caught.value.offset == 1100

@@ -1,12 +1,22 @@
 """A replica's fetcher: copies its group master's message log into the local store, record for
-record, CRC-checked, fsynced before the next fetch reports the new offset (docs/replication.md).
+record, CRC-checked, and tells the master how far it has it durable (docs/replication.md).
 
-It long-polls REPL_FETCH; each request's `offset` is the local durable end, which is the master's
-acknowledgement. Far behind (a new or wiped replica), it asks for bigger chunks. A master that says
-it is not master, or that this replica's log runs past its own, is reported to the server
-(`on_trouble`), which asks the meta server again and truncates if it must. `on_durable(end)` runs
-after each chunk is durable, before the next fetch: what the server derives from the log beyond the
-store's own files (a delay server's buckets) keeps up with it.
+It long-polls REPL_FETCH from its log end (`offset`); each request's `durable` is the local durable
+end, which is the master's acknowledgement. Two tasks share one connection, so the replica's write,
+its fsync and the next fetch overlap:
+
+- the fetch loop asks for the next chunk as soon as it has written the last one (not yet durable)
+  and starts its fsync;
+- the sync loop waits for each fsync, runs `on_durable(end)`, and tells the master at once with a
+  one-way fetch of `max_bytes` 0, rather than waiting for the next chunk to arrive.
+
+Only a master whose reply says `pipelined` reads `durable`; until one has (an older master takes
+`offset` as the acknowledgement), the fetch loop waits for its fsync before each fetch, as before.
+Far behind (a new or wiped replica), it asks for bigger chunks. A master that says it is not master,
+or that this replica's log runs past its own, is reported to the server (`on_trouble`), which asks
+the meta server again and truncates if it must. `on_durable(end)` runs after each fsync, before the
+master hears of it: what the server derives from the log beyond the store's own files (a delay
+server's buckets) keeps up with it.
 """
 
 from __future__ import annotations
@@ -15,20 +25,24 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.store import epochs as ep
 from qmq.store.replication import CATCH_UP_CHUNK_BYTES, DEFAULT_CHUNK_BYTES, ChunkError
-from qmq.store.store import LogStore
+from qmq.store.store import LogStore, StoreError
 
 log = logging.getLogger("qmq.replica")
 
 FETCH_WAIT_MS = 500  # a fetch waits this long for new records before answering empty
 RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # between failed fetches, the last repeated
 REPLY_GRACE_S = 10.0  # a fetch's reply may come this long after its wait
-INLINE_APPEND_BYTES = 256 * 1024  # smaller chunks are written on the event loop
+# Smaller chunks are written on the event loop: a thread would hold the GIL for most of the write
+# (checking records is Python) and keep the loop, and so the next report, waiting for it.
+INLINE_APPEND_BYTES = 1024 * 1024
+MAX_UNSYNCED_BYTES = 2 * CATCH_UP_CHUNK_BYTES  # the fetch loop waits while this much is written, not durable
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -79,20 +93,78 @@ class Fetcher:
         self.master_end = 0  # the master's log end in its last reply
         self.damaged_at: int | None = None  # a record of the master's that failed its CRC here: told in the next fetch
         self.fetches = 0
+        self.durable = store.durable_offset  # durable here, and `on_durable` ran up to it
+        self.reported = -1  # the highest `durable` sent to the master on this connection
+        self.pipelined = False  # this connection's master reads `durable` (it said so in a reply)
+        self._polling = False  # a fetch is out, waiting for its reply
+        self._written = asyncio.Event()  # the fetch loop wrote a chunk
+        self._synced = asyncio.Event()  # the sync loop moved `durable`
+        self._sync_error: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
+        self._sync_task: asyncio.Task[None] | None = None
         self._conn: AsyncConnection | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="qmq-replica-fetcher")
+        self._sync_task = asyncio.create_task(self._sync_loop(), name="qmq-replica-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._sync_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
+
+    # ---- the sync loop ----------------------------------------------------------------------------
+
+    async def _sync_loop(self) -> None:
+        """Wait for the fsync of what the fetch loop wrote, run `on_durable`, tell the master."""
+        while True:
+            end = self.store.end_offset
+            if end <= self.durable:
+                self._written.clear()
+                await self._written.wait()
+                continue
+            try:
+                await self.store.flushed(end)
+                if self.on_durable is not None:
+                    await self.on_durable(end)
+            except Exception as exc:  # the store failed: the fetch loop raises it, and retries
+                if self._sync_error is None:
+                    log.error("the replicated log is not durable: %s", exc)
+                self._sync_error = exc
+                self._synced.set()
+                await asyncio.sleep(RETRY_BACKOFF_S[-1])
+                continue
+            self._sync_error = None
+            self.durable = max(self.durable, end)
+            self._synced.set()
+            await self._report()
+
+    async def _report(self) -> None:
+        """Tell the master the durable offset now, while the fetch loop waits for its reply (when it
+        does not, its next fetch says it)."""
+        conn = self._conn
+        if not (self.pipelined and self._polling) or conn is None or conn.closed or self.durable <= self.reported:
+            return
+        self.reported = self.durable
+        body = {**self._body(self.durable), "durable": self.durable, "max_bytes": 0, "wait_ms": 0}
+        try:
+            await conn.send_oneway(RequestCode.REPL_FETCH, body)
+        except (OSError, ConnectionError) as exc:  # the fetch loop meets it too, and reconnects
+            log.debug("cannot report the durable offset to %s: %s", self.master, exc)
+
+    async def _until_durable(self, offset: int) -> None:
+        """Wait until everything before `offset` is durable here (and `on_durable` ran)."""
+        while self.durable < offset:
+            if self._sync_error is not None:
+                raise StoreError(f"the replicated log is not durable: {self._sync_error}")
+            self._synced.clear()
+            self._written.set()
+            await self._synced.wait()
 
     async def _run(self) -> None:
         failures = 0
@@ -113,6 +185,9 @@ class Fetcher:
                     log.warning("cannot fetch from master %s: %s", self.master, exc)
                 await self._drop_connection()
                 self.on_unreachable()  # the meta server may have promoted someone: ask it now
+            except StoreError as exc:  # read-only (out of space, a failed fsync): nothing to copy into
+                if failures == 0:
+                    log.error("cannot copy the master's log into the store: %s", exc)
             except ChunkError as exc:
                 log.error("master %s sent a chunk that fails its checks, fetching it again: %s", self.master, exc)
                 self.damaged_at = exc.offset  # the master mends its copy, or cuts it out (mending.py)
@@ -124,35 +199,43 @@ class Fetcher:
             await self._conn.close()
             self._conn = None
 
+    def _body(self, offset: int) -> dict[str, Any]:
+        return {"group": self.group, "replica": self.address, "epoch": self.epoch, "offset": offset}
+
     async def _fetch_once(self) -> None:
         if self._conn is None or self._conn.closed:
             host, port = split_address(self.master)
+            self.pipelined, self.reported = False, -1  # until this master's reply says it reads `durable`
             self._conn = await AsyncConnection.open(host, port, token=self.token, client_id=f"replica-{self.address}")
         offset = self.store.end_offset
+        if not self.pipelined:  # the offset is the acknowledgement: durable first
+            await self._until_durable(offset)
+        elif offset - self.durable > MAX_UNSYNCED_BYTES:  # the disk is behind: let it catch up
+            await self._until_durable(offset - MAX_UNSYNCED_BYTES)
         behind = self.master_end - offset > DEFAULT_CHUNK_BYTES
-        body = {
-            "group": self.group,
-            "replica": self.address,
-            "epoch": self.epoch,
-            "offset": offset,
-            "max_bytes": CATCH_UP_CHUNK_BYTES if behind else DEFAULT_CHUNK_BYTES,
-            "wait_ms": 0 if behind else self.wait_ms,
-        }
+        body = self._body(offset)
+        body["durable"] = durable = self.durable
+        body["max_bytes"] = CATCH_UP_CHUNK_BYTES if behind else DEFAULT_CHUNK_BYTES
+        body["wait_ms"] = 0 if behind else self.wait_ms
         if self.damaged_at is not None:
             body["damaged_at"] = self.damaged_at
-        reply = await self._conn.request(RequestCode.REPL_FETCH, body, timeout=self.wait_ms / 1000 + REPLY_GRACE_S)
+        self.reported = max(self.reported, durable)
+        self._polling = True  # from here the sync loop reports a newer durable offset itself
+        try:
+            reply = await self._conn.request(RequestCode.REPL_FETCH, body, timeout=self.wait_ms / 1000 + REPLY_GRACE_S)
+        finally:
+            self._polling = False
         self.fetches += 1
+        self.pipelined = reply.get("pipelined") is True
         data = reply.get("data") or b""
         self.master_end = int(reply.get("end", 0))
         if data:
             if len(data) <= INLINE_APPEND_BYTES:  # a few writes: cheaper than a thread hop
-                end = self.store.append_replicated(bytes(data), offset)
+                self.store.append_replicated(data, offset)
             else:
-                end = await asyncio.to_thread(self.store.append_replicated, bytes(data), offset)
+                await asyncio.to_thread(self.store.append_replicated, data, offset)
             self.damaged_at = None
-            await self.store.flushed(end)  # durable before the next fetch reports it
-            if self.on_durable is not None:
-                await self.on_durable(end)
+            self._written.set()
         masters = [(int(e), int(s)) for e, s in reply.get("epochs") or ()]
         merged = ep.merged(self.epochs, masters, self.store.end_offset)
         if merged != self.epochs:

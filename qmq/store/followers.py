@@ -3,10 +3,15 @@
 replica has its log durable, says which replicas are in sync, and holds back an acknowledgement
 until enough replicas have what it covers.
 
-- A fetch's `offset` is the replica's durable end: everything before it is on the replica's disk
-  (QMQ's idea: the next request is the acknowledgement of the last reply).
-- A replica is **in sync** while its offset is within `max_lag_bytes` of the log end and it caught
-  up with the log end (the end as of its previous reply, as Kafka counts it) within `max_lag_s`.
+- A fetch's `durable` (its `offset` when absent: older replicas) is the replica's durable end:
+  everything before it is on the replica's disk (QMQ's idea: the next request is the
+  acknowledgement of the last reply). `offset` is where to read from: a replica that learnt from a
+  reply's `pipelined` that this master reads `durable` asks for the next chunk while its fsync of
+  the last one runs, and says when the fsync is done with a fetch of `max_bytes` 0 (answered at
+  once, without data; sent one-way).
+- A replica is **in sync** while its durable offset is within `max_lag_bytes` of the log end and it
+  caught up with the log end within `max_lag_s`: it reached the end as it is now, or the end as of
+  an earlier reply, which it did at that reply's time (as Kafka counts it).
 - `acknowledged(end)` returns once `ack_replicas` replicas reported an offset at or past `end`;
   it raises `NotEnoughReplicas` when fewer than that are in sync, or when this master is fenced.
 - A fetch naming a newer epoch than this master's tells it it was deposed (`on_newer_epoch`).
@@ -21,8 +26,10 @@ import heapq
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from qmq.protocol.errors import ErrorCode, RemoteError
@@ -35,6 +42,7 @@ MAX_LAG_BYTES = 64 * 1024 * 1024  # nor one this far behind
 MAX_FETCH_BYTES = 12 * 1024 * 1024  # one REPL_FETCH reply carries at most this (frames are 16 MiB)
 MAX_FETCH_WAIT_MS = 30_000
 RETENTION_REFUSED = "removed by retention"  # in the refusal of a fetch from before the log's start
+MAX_REPLIES_KEPT = 64  # per replica: the ends of replies it has not yet caught up with
 
 
 class NotEnoughReplicas(Exception):
@@ -47,13 +55,34 @@ class ReplicaState:
     offset: int = 0  # durable on the replica before this
     caught_up_at: float = 0.0  # monotonic time it last reached the log end
     fetched_at: float = 0.0
-    end_at_reply: int = 0  # the log end in the last reply it got
+    # (log end, monotonic time) of the replies it has not yet caught up with, oldest first
+    replies: deque[tuple[int, float]] = dataclass_field(default_factory=deque)
 
     def lag_bytes(self, end: int) -> int:
         return max(0, end - self.offset)
 
     def lag_s(self, end: int, now: float) -> float:
         return 0.0 if self.offset >= end else max(0.0, now - self.caught_up_at)
+
+    def durable_at(self, durable: int, end: int, now: float) -> None:
+        """The replica has everything before `durable` on disk (the log ends at `end` now)."""
+        self.offset = durable
+        if durable >= end:
+            self.caught_up_at = now
+            self.replies.clear()
+            return
+        replies = self.replies
+        while replies and replies[0][0] <= durable:  # it holds what this master had at that reply
+            self.caught_up_at = max(self.caught_up_at, replies.popleft()[1])
+
+    def replied(self, end: int, now: float) -> None:
+        """A reply told it the log ends at `end`."""
+        replies = self.replies
+        if replies and replies[-1][0] >= end:
+            return  # an earlier reply told it as much: its time is what counts
+        replies.append((end, now))
+        if len(replies) > MAX_REPLIES_KEPT:
+            replies.popleft()
 
 
 class Followers:
@@ -181,14 +210,18 @@ class Followers:
     # ---- requests ---------------------------------------------------------------------------------
 
     async def fetch(self, body: dict[str, Any]) -> dict[str, Any]:
-        """REPL_FETCH: note the replica's durable offset, then send what follows it (long poll)."""
+        """REPL_FETCH: note the replica's durable offset, then send what follows `offset` (long poll).
+        `max_bytes` 0: a report of the durable offset only, answered at once without data."""
         replica = field(body, "replica", str)
         epoch = field(body, "epoch", int)
         offset = field(body, "offset", int)
+        durable = field(body, "durable", int, offset)
         max_bytes = min(field(body, "max_bytes", int), MAX_FETCH_BYTES)
         wait_ms = min(field(body, "wait_ms", int, 0), MAX_FETCH_WAIT_MS)
-        if offset < 0 or max_bytes <= 0 or wait_ms < 0:
+        if offset < 0 or max_bytes < 0 or wait_ms < 0:
             raise bad("offset, max_bytes and wait_ms must not be negative")
+        if not 0 <= durable <= offset:
+            raise bad(f"durable offset {durable} must lie between 0 and the fetch offset {offset}")
         self._check_epoch(epoch)
         damaged_at = field(body, "damaged_at", int, None)
         if damaged_at is not None:  # our record there failed the replica's CRC check
@@ -208,13 +241,14 @@ class Followers:
         now = time.monotonic()
         state = self.replicas.get(replica)
         if state is None:  # caught up only once it reaches the end as it is now
-            state = self.replicas[replica] = ReplicaState(replica, offset, end_at_reply=end)
-        state.offset, state.fetched_at = offset, now
-        if offset >= state.end_at_reply:
-            state.caught_up_at = now
-        self._settle()
-        limit = self._shippable()
-        if offset >= limit and wait_ms > 0:
+            state = self.replicas[replica] = ReplicaState(replica, durable)
+            state.replied(end, now)
+        state.fetched_at = now
+        state.durable_at(durable, end, now)
+        self._settle()  # every acknowledgement this report covers, woken at once
+        if max_bytes == 0:
+            return {"epoch": self.epoch, "data": b"", "end": end, "epochs": [], "pipelined": True}
+        if offset >= self._shippable() and wait_ms > 0:
             self._appended.clear()
             try:
                 async with asyncio.timeout(wait_ms / 1000):
@@ -230,8 +264,14 @@ class Followers:
         # (its offset past the master's end: REPL_EPOCH_END), or keeps them if promoted.
         limit = self.store.end_offset
         data = self.store.read_chunk(offset, max_bytes, limit)
-        state.end_at_reply = limit
-        return {"epoch": self.epoch, "data": data, "end": limit, "epochs": [list(e) for e in self.epochs]}
+        state.replied(limit, time.monotonic())
+        return {
+            "epoch": self.epoch,
+            "data": data,
+            "end": limit,
+            "epochs": [list(e) for e in self.epochs],
+            "pipelined": True,  # this master takes `durable` as the acknowledgement, not `offset`
+        }
 
     async def epoch_end(self, body: dict[str, Any]) -> dict[str, Any]:
         """REPL_EPOCH_END: where `epoch` ends in this master's log."""

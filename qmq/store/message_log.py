@@ -70,6 +70,24 @@ class MessageLog:
             active.append(data)
         return offsets
 
+    def append_chunk(self, data: bytes, sizes: Sequence[int]) -> None:
+        """Append records given as one buffer and their sizes (a replicated chunk): one write when
+        they fit the active segment, else rolled at the same record as `append` would."""
+        active = self.active
+        if active.size + len(data) <= self.segment_bytes or not data:
+            active.append(data)
+            return
+        view, start, position = memoryview(data), 0, 0
+        for size in sizes:
+            pending = position - start  # bytes of this chunk bound for the active segment, not yet written
+            if active.size + pending + size > self.segment_bytes and active.size + pending > 0:
+                if pending:
+                    active.append(view[start:position])
+                active, start = self._roll(), position
+            position += size
+        if position > start:
+            active.append(view[start:position])
+
     def undo_append(self, end: int) -> None:
         """Forget every byte at or after `end` (the end before a failed `append`): segments rolled
         since are deleted, the active one cut back. Cutting needs no free space."""

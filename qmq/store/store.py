@@ -28,7 +28,14 @@ from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_subject, validate_tags
 from qmq.store import checkpoint as ckpt
 from qmq.store import record as rec
-from qmq.store.consume_log import DEFAULT_ENTRIES_PER_SEGMENT, ConsumeLog, DamagedEntry, Entry, pack_entry
+from qmq.store.consume_log import (
+    DEFAULT_ENTRIES_PER_SEGMENT,
+    ENTRY_SIZE,
+    ConsumeLog,
+    DamagedEntry,
+    Entry,
+    pack_entry,
+)
 from qmq.store.cross_check import checkpoint_problem
 from qmq.store.damage import Damage, DamagedRegion
 from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
@@ -39,7 +46,7 @@ from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.rebuild import rebuild_consume_log, rebuild_index
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
 from qmq.store.recovery_point import RecoveryPoint
-from qmq.store.replication import first_record_size, split_chunk, whole_prefix
+from qmq.store.replication import ChunkError, check_chunk, first_record_size, split_chunk, whole_prefix
 from qmq.store.scrub import Scrub
 
 log = logging.getLogger("qmq.store")
@@ -126,6 +133,7 @@ class LogStore:
         self._checkpoint_dir = self.data_dir / "checkpoint"
         self._next_seq: dict[str, int] = {}
         self._subject_bytes: dict[str, bytes] = {}
+        self._subject_names: dict[bytes, str] = {}  # subjects met in replicated chunks
         self._consume_logs: dict[str, ConsumeLog] = {}
         self._failed: BaseException | None = None  # a write failure that only a reopen clears
         self._failed_reason: str | None = None
@@ -363,9 +371,17 @@ class LogStore:
     def append_replicated(self, data: bytes, offset: int) -> int:
         """Append a chunk of the master's message log that begins at `offset` (this log's end):
         whole records, each CRC-checked before any is written (`ChunkError` otherwise), stored byte
-        for byte, their consume-log and index entries derived as recovery derives them. Durable once
-        `durable(end)` says so. Returns the new end."""
-        pieces, records = split_chunk(data, offset)
+        for byte in one write, their consume-log and index entries derived as recovery derives them
+        (one write per subject's run of entries). Its fsync is asked for as soon as the log's bytes
+        are written, before the derived files (which no acknowledgement waits for): durable once
+        `durable(end)` / `flushed(end)` says so. Returns the new end."""
+        checked = check_chunk(data, offset)
+        subjects = {}
+        for subject_b, _first, _entries in checked.runs:
+            try:
+                subjects[subject_b] = self._subject_names.get(subject_b) or subject_b.decode()
+            except UnicodeDecodeError:  # the CRC passed: a master wrote it so
+                raise ChunkError(f"replicated chunk at offset {offset}: a subject is not UTF-8", offset) from None
         with self._lock:
             self._check_writable()
             if offset != self.message_log.end_offset:
@@ -373,8 +389,19 @@ class LogStore:
                     f"replicated chunk at offset {offset}, but the log ends at {self.message_log.end_offset}"
                 )
             try:
-                self.message_log.append(pieces)
-                self._derive(records)
+                self.message_log.append_chunk(data, checked.sizes)
+                self.flusher.request(self.message_log.end_offset)  # runs while the derived files are written
+                next_seq = self._next_seq
+                for subject_b, first, entries in checked.runs:
+                    subject = subjects[subject_b]
+                    self._consume_log(subject).write(first, entries)
+                    after = first + len(entries) // ENTRY_SIZE
+                    if after > next_seq.get(subject, 0):
+                        next_seq[subject] = after
+                    self._subject_names[subject_b] = subject
+                self.index.add(checked.index_pairs)
+                for position in checked.blanks:  # rare: a region the master gave up as lost
+                    self._derive_lost(rec.decode(data, position, offset))
             except OSError as exc:
                 self._fail(exc, "replicated append")  # the replica refetches from its durable point after a reopen
                 raise StoreError(f"the store is read-only: {self.read_only_reason}") from exc
@@ -542,11 +569,13 @@ class LogStore:
 
     def read_chunk(self, offset: int, max_bytes: int, limit: int | None = None) -> bytes:
         """Whole records of the message log from `offset` (a record boundary), at most `max_bytes`
-        unless the first record alone is bigger, never past `limit` (default: the log's end): what a
-        master ships to a replica."""
+        unless the first record alone is bigger, never past `limit` (a record boundary; default: the
+        log's end): what a master ships to a replica."""
         limit = self.message_log.end_offset if limit is None else limit
         if offset >= limit:
             return b""
+        if offset + max_bytes >= limit:  # the rest of the log (the usual reply to a caught-up replica):
+            return self.message_log.read_bytes(offset, limit)  # ends at a record boundary, no need to walk it
         data = self.message_log.read_bytes(offset, min(limit, offset + max(max_bytes, rec.HEADER_SIZE)))
         whole = whole_prefix(data)
         if whole == 0:
