@@ -1,5 +1,5 @@
 """A broker replica's consumption state, derived from the journal it copies (docs/replication.md,
-"Broker groups: consumption state on replicas").
+"Consumption state on broker replicas").
 
 A replica copies the master's message log, `%ACTION%` journal included, but retention runs on it
 too: recovering the state from the journal alone at promotion would lose what retention removed
