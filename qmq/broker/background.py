@@ -20,9 +20,16 @@ from qmq.store.store import StoreError
 log = logging.getLogger("qmq.broker")
 
 SNAPSHOT_INTERVAL_S = 10.0
+SNAPSHOTS_PER_RETENTION = 10  # a short log retention (tests) gets a snapshot this often per period, at least
 RETRY_FIRE_BATCH = 1024  # due retries appended per round
 RETRY_BACKOFF_S = 1.0  # after a round that could not append (store failure)
 MAX_SWEEP_INTERVAL_S = 5.0  # silent consumers are looked for at least this often
+
+
+def snapshot_interval_s(retention_s: float) -> float:
+    """How often the consumption state is saved: every SNAPSHOT_INTERVAL_S, or more often under a
+    log retention so short that the journal after a snapshot could expire before the next one."""
+    return min(SNAPSHOT_INTERVAL_S, retention_s / SNAPSHOTS_PER_RETENTION)
 
 
 class BackgroundWork:
@@ -54,8 +61,9 @@ class BackgroundWork:
 
     async def _snapshot_loop(self) -> None:
         saved_at = self.core.state.journal_seq
+        interval_s = snapshot_interval_s(self.core.store.config.retention_s)
         while True:
-            await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+            await asyncio.sleep(interval_s)
             if self.core.state.journal_seq != saved_at:
                 saved_at = self.core.state.journal_seq
                 try:

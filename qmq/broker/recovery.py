@@ -1,6 +1,7 @@
 """The broker's consumption state at start: its last snapshot, then the journal after it.
 
-Blocking (it reads the store): run it before serving.
+Blocking (it reads the store): run it before serving. A replica keeps the same state as it copies
+the log (replica_state.py) with `load` and `replay`; a master recovers it with `recover`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,28 @@ REPLAY_BATCH = 256  # journal records read per step
 
 
 def recover(store: LogStore, state_dir: Path, now: float) -> BrokerState:
+    state = load(store, state_dir, now)
+    replayed = replay(store, state, now)
+    log.info(
+        "consumption state: %d groups, %d pending retries, %d journal entries replayed",
+        len(state.groups),
+        len(state.retries),
+        replayed,
+    )
+    return state
+
+
+def load(store: LogStore, state_dir: Path, now: float, *, ahead_ok: bool = False) -> BrokerState:
+    """The last snapshot's state (an empty one without a usable snapshot). A snapshot covering more
+    journal than the store holds is discarded, unless `ahead_ok`: a replica that copied its
+    master's snapshot holds it before the journal it covers has arrived (state_copy.py)."""
     try:
         saved = snapshot.load(state_dir)
     except snapshot.SnapshotError as exc:  # derived data: never trusted over the journal
         log.warning("%s: discarding the snapshot, replaying the journal from its start", exc)
         saved = None
     state = BrokerState.from_snapshot(saved, now) if saved else BrokerState()
-    if state.journal_seq > store.next_seq(ACTION_SUBJECT):
+    if state.journal_seq > store.next_seq(ACTION_SUBJECT) and not ahead_ok:
         log.warning(
             "the snapshot covers the journal up to sequence %d but the journal holds %d entries: discarding "
             "the snapshot, replaying the journal from its start",
@@ -41,10 +57,19 @@ def recover(store: LogStore, state_dir: Path, now: float) -> BrokerState:
             first,
             state.journal_seq,
         )
+    return state
+
+
+def replay(store: LogStore, state: BrokerState, now: float, upto: int | None = None) -> int:
+    """Apply the journal records after `state.journal_seq` (those ending at or before log offset
+    `upto`, if given: a replica applies only what is durable); how many entries."""
     seq, replayed = state.journal_seq, 0
     while True:
         result = store.read(ACTION_SUBJECT, seq, REPLAY_BATCH)
         for record in result.records:
+            if upto is not None and record.end > upto:  # not durable yet: applied next time
+                state.journal_seq = record.seq
+                return replayed
             for entry in journal.decode(record.payload):
                 state.apply(entry, now)
                 replayed += 1
@@ -52,10 +77,4 @@ def recover(store: LogStore, state_dir: Path, now: float) -> BrokerState:
             break
         seq = result.next_seq
     state.journal_seq = seq
-    log.info(
-        "consumption state: %d groups, %d pending retries, %d journal entries replayed",
-        len(state.groups),
-        len(state.retries),
-        replayed,
-    )
-    return state
+    return replayed

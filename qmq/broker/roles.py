@@ -1,30 +1,44 @@
 """The broker's duty in a replicated group (docs/replication.md): what `qmq.replication.roles.Roles`
-runs for a broker in each role. As master, the `BrokerService` (its consumption state recovered from
-the store when the broker takes office), with sends held until enough replicas have them; as a
-replica, nothing beyond the fetcher: the store derives consume logs and index from what it copies,
-and the consumption state is recovered from the journal at promotion. A cut log drops the
-consumption snapshot, which may cover what was cut.
+runs for a broker in each role.
+
+- **master**: the `BrokerService` (its consumption state recovered from the store when the broker
+  takes office: the last snapshot, then the journal after it), with sends held until enough
+  replicas have them.
+- **replica**: the store derives consume logs and index from what it copies; the consumption state
+  follows the copied journal and is snapshotted as on a master (replica_state.py), so a promotion
+  recovers from a recent snapshot, whatever retention removed meanwhile.
+- a cut log drops the consumption snapshot, which may cover what was cut.
+- a replica whose log the master's retention removed (new, wiped, away too long) copies the
+  master's consumption state instead (state_copy.py), then fetches the retained log from its start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
-from qmq.broker import metrics
+from qmq.broker import metrics, state_copy
+from qmq.broker.replica_state import ReplicaState
 from qmq.broker.service import STATE_DIR, BrokerService
 from qmq.protocol.codes import RequestCode
-from qmq.store.store import LogStore
+from qmq.store import epochs as ep
+from qmq.store.store import LogStore, StoreConfig
+
+log = logging.getLogger("qmq.broker")
 
 
 class BrokerDuty:
     kind = "broker"
     stats_code = RequestCode.BROKER_STATS
 
-    def __init__(self, service_options: dict[str, Any]) -> None:
+    def __init__(self, service_options: dict[str, Any], store_config: StoreConfig | None = None) -> None:
         self.service_options = service_options
+        self.store_config = store_config or StoreConfig()
+        self.replica: ReplicaState | None = None
+        self.copies = state_copy.Copies()  # a master's copies of its state for replicas left behind
 
     async def open_master(self, store: LogStore, group: str) -> BrokerService:
         service = await asyncio.to_thread(BrokerService, store, **self.service_options)
@@ -42,13 +56,18 @@ class BrokerDuty:
         service.core.replicated = acknowledged
 
     async def open_replica(self, store: LogStore) -> None:
-        pass
+        replica = ReplicaState(store, store.data_dir / STATE_DIR)
+        await replica.open()
+        self.replica = replica
 
     async def replicated(self, end: int) -> None:
-        pass
+        if self.replica is not None:
+            self.replica.replicated(end)
 
     async def close_replica(self) -> None:
-        pass
+        replica, self.replica = self.replica, None
+        if replica is not None:
+            await replica.close()
 
     async def truncated(self, data_dir: Path, offset: int) -> None:
         shutil.rmtree(data_dir / STATE_DIR, ignore_errors=True)
@@ -61,3 +80,43 @@ class BrokerDuty:
 
     def mended(self, service: BrokerService, messages: list[tuple[str, int]]) -> None:
         service.core.wake({subject for subject, _seq in messages})
+
+    # ---- a replica that retention left behind (state_copy.py) --------------------------------------
+
+    async def serve_snapshot(
+        self, service: BrokerService, code: int, body: dict[str, Any], *, epoch: int, epochs: ep.Epochs
+    ) -> dict[str, Any]:
+        if code == RequestCode.REPL_SNAPSHOT_READ:
+            return self.copies.read(body)
+        state_copy.refuse(body.get("kind"))
+        core = service.core
+        store = core.store
+        data = core.state.to_snapshot()  # on the loop, where the state changes: whole, at journal_seq
+        log_start, offset = store.start_offset, store.end_offset
+        await store.flushed(offset)  # the journal it covers is durable (as for the broker's own snapshots)
+        floors = await asyncio.to_thread(state_copy.sequence_floors, store, log_start)
+        blob = await asyncio.to_thread(state_copy.pack_copy, data, log_start=log_start, offset=offset, floors=floors)
+        name = self.copies.add(epoch, blob)
+        log.info(
+            "a replica copies this master's consumption state (journal sequence %d, %d bytes); its log from %d",
+            data["journal_seq"],
+            len(blob),
+            log_start,
+        )
+        return {
+            "kind": state_copy.KIND,
+            "epoch": epoch,
+            "offset": offset,
+            "log_start": log_start,
+            "epochs": [list(e) for e in epochs],
+            "name": name,
+            "size": len(blob),
+        }
+
+    async def copy_snapshot(
+        self, data_dir: Path, master: str, *, group: str, replica: str, epoch: int, token: str | None
+    ) -> state_copy.StateCopy:
+        return await state_copy.copy(master, group=group, replica=replica, epoch=epoch, token=token)
+
+    def install_snapshot(self, data_dir: Path, copy: state_copy.StateCopy) -> None:
+        state_copy.install(data_dir, self.store_config, copy)

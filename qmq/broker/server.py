@@ -15,17 +15,29 @@ from qmq.broker import metrics
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.queue_lease import ORDERED_LEASE_S
 from qmq.broker.roles import BrokerDuty
+from qmq.broker.state_copy import discard_interrupted
 from qmq.net.server import Server, run_process, stop_on_signals
 from qmq.replication.roles import Roles, join
 from qmq.store.flush import FlushMode
 from qmq.store.followers import MAX_LAG_S
-from qmq.store.store import LogStore, StoreConfig
+from qmq.store.store import DEFAULT_CLEAN_INTERVAL_S, LogStore, StoreConfig
 
 log = logging.getLogger("qmq.broker")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 20881
 METRICS_INTERVAL_S = 5.0  # the per-group gauges are refreshed this often
+CLEANS_PER_RETENTION = 10  # a short log retention (tests) is looked at this often per period, at least
+
+
+def store_config_for(segment_bytes: int, log_retention_s: float) -> StoreConfig:
+    """The broker's log-store settings: `segment_bytes`, and the message log's retention, which the
+    cleaner checks at least every tenth of it (never less than its default interval)."""
+    return StoreConfig(
+        segment_bytes=segment_bytes,
+        retention_s=log_retention_s,
+        clean_interval_s=min(DEFAULT_CLEAN_INTERVAL_S, log_retention_s / CLEANS_PER_RETENTION),
+    )
 
 
 async def serve_broker(
@@ -51,6 +63,7 @@ async def serve_broker(
     """With `meta`, the meta server makes this broker its group's master or a replica
     (qmq/replication/roles.py, docs/replication.md); without, it is master alone, as before replication."""
     config = replace(store_config or StoreConfig(), flush=FlushMode(flush))
+    await asyncio.to_thread(discard_interrupted, Path(data_dir))  # a crash while installing a copy (state_copy.py)
     store = await asyncio.to_thread(LogStore, data_dir, config)
     roles = None
     try:
@@ -58,9 +71,8 @@ async def serve_broker(
         await server.start()
         address = advertise or f"{host}:{server.port}"
         group_name = group or f"broker-{server.port}"
-        duty = BrokerDuty(
-            {"consumer_timeout_s": consumer_timeout_s, "max_attempts": max_attempts, "ordered_lease_s": ordered_lease_s}
-        )
+        options = {"consumer_timeout_s": consumer_timeout_s, "max_attempts": max_attempts}
+        duty = BrokerDuty({**options, "ordered_lease_s": ordered_lease_s}, config)
         roles = Roles(
             store,
             config,

@@ -8,7 +8,7 @@ import click
 
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.queue_lease import ORDERED_LEASE_S
-from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run
+from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run, store_config_for
 from qmq.cli.net_options import server_net_options
 from qmq.cli.options import CLIENTS_TOKEN_HELP as CLIENTS_TOKEN_HELP  # for `qmq delay-server`
 from qmq.cli.options import (
@@ -23,9 +23,15 @@ from qmq.cli.time_options import DURATION
 from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS
 from qmq.store.followers import MAX_LAG_S
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES
-from qmq.store.store import StoreConfig, StoreError
+from qmq.store.store import DEFAULT_RETENTION_S, StoreError
 
 MIB = 1024 * 1024
+HOUR_S = 3600
+LOG_RETENTION_HOURS = DEFAULT_RETENTION_S / HOUR_S
+LOG_RETENTION_HELP = (
+    "keep message-log segments this long (consumer positions outlive it in the consumption snapshot; "
+    "a new replica copies that when the log it would need is gone)"
+)
 MAX_SEGMENT_MIB = 1024  # the default is the largest tried
 
 ACK_REPLICAS_HELP = (
@@ -86,13 +92,18 @@ MAX_LAG = tuning("--max-lag", DURATION, f"{MAX_LAG_S:g}s", MAX_LAG_HELP)
     show_default=True,
     help="size at which a message-log segment file is closed and the next begun (retention removes whole segments)",
 )
+@tuning(
+    "--log-retention", click.FloatRange(min=0, min_open=True), LOG_RETENTION_HOURS, LOG_RETENTION_HELP, metavar="HOURS"
+)
 @log_level_option("INFO", "DEBUG, INFO, WARNING or ERROR")
 def broker(data_dir: str, log_level: str, **settings: Any) -> None:
     """Run a broker: stores messages and serves them to consumer groups."""
     setup_logging(log_level, server=True)
     settings["token"] = settings["token"] or None
     settings["max_lag_s"] = settings.pop("max_lag").total_seconds()
-    settings["store_config"] = StoreConfig(segment_bytes=settings.pop("segment_mib") * MIB)
+    settings["store_config"] = store_config_for(
+        settings.pop("segment_mib") * MIB, settings.pop("log_retention") * HOUR_S
+    )
     try:
         run(data_dir, **settings)
     except StoreError as exc:

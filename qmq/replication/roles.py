@@ -12,8 +12,9 @@ the store and swaps what runs over it:
 
 A replica whose fetch offset the master's retention removed (new, wiped, or away longer than the
 retention) cannot copy the log from there. A server that keeps state beside its log (a delay
-server's buckets) copies that state from the master instead (the duty's optional snapshot methods,
-REPL_SNAPSHOT), installs it with the store closed, and fetches the log from where the copy ends.
+server's buckets, a broker's consumption state) copies that state from the master instead (the
+duty's optional snapshot methods, REPL_SNAPSHOT), installs it with the store closed, and fetches
+the log from where the copy ends.
 
 A server without a meta server is master at once with nothing to wait for, as before replication.
 
@@ -78,7 +79,7 @@ class Duty(Protocol):
     """What one kind of server (broker, delay server) does in each role; `Roles` calls it.
 
     Optional, for a server whose state beside the log outlives the log's retention (a delay
-    server): `async serve_snapshot(service, code, body, *, epoch, epochs) -> dict` on a master
+    server, a broker): `async serve_snapshot(service, code, body, *, epoch, epochs) -> dict` on a master
     (REPL_SNAPSHOT, REPL_SNAPSHOT_READ), and on a replica `async copy_snapshot(data_dir, master, *,
     group, replica, epoch, token)` (the copy, beside the open store) then `install_snapshot(data_dir,
     copy)` (blocking, the store closed)."""
