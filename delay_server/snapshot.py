@@ -44,18 +44,16 @@ from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.protocol.fields import bad, field
+from qmq.replication import install as install_marker
 from qmq.store import epochs as ep
-from qmq.store.files import fsync_dir, fsync_path, write_json
-from qmq.store.segment import list_segments, segment_name
+from qmq.store.files import fsync_dir, write_json
+from qmq.store.segment import list_segments
 from qmq.store.verify import VerifyReport
 
 log = logging.getLogger("qmq.delay")
 
 STATE_DIRS = ("schedule", "dispatch", "cancels")  # what a delay server keeps beside its log store
-STORE_DIRS = ("messagelog", "consumelog", "index", "checkpoint")  # the log store's, rebuilt empty
-STORE_FILES = ("recovery_point", "epochs")
 PARTIAL_DIR = "snapshot.partial"  # a copy being made
-INSTALLING = "snapshot.installing"  # marker: the data directory is being replaced by a copy
 READ_CHUNK_BYTES = 4 * 1024 * 1024  # one REPL_SNAPSHOT_READ reply carries at most this
 REPLY_TIMEOUT_S = 30.0
 NAME = re.compile(r"^(schedule|dispatch|cancels)/[0-9A-Za-z][0-9A-Za-z._-]*$")
@@ -207,29 +205,12 @@ def install(data_dir: Path, snapshot: Snapshot) -> None:
     begins empty at `snapshot.log_start`, filed up to `snapshot.offset`. A crash part-way leaves
     the marker, and the next start wipes the directory (`discard_interrupted`). Blocking."""
     partial = data_dir / PARTIAL_DIR
-    marker = data_dir / INSTALLING
-    marker.write_text(f"installing a snapshot filed up to {snapshot.offset}\n")
-    fsync_path(marker)
-    fsync_dir(data_dir)
-    try:
-        _wipe(data_dir)
+    with install_marker.installing(data_dir, f"a snapshot filed up to {snapshot.offset}", STATE_DIRS):
         for part in STATE_DIRS:
             os.replace(partial / part, data_dir / part)
-        (data_dir / "messagelog").mkdir()
-        fd = os.open(
-            data_dir / "messagelog" / segment_name(snapshot.log_start), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644
-        )
-        os.fsync(fd)
-        os.close(fd)
-        fsync_dir(data_dir / "messagelog")
+        install_marker.start_log_at(data_dir, snapshot.log_start)
         ep.save(data_dir, snapshot.epochs)
         shutil.rmtree(partial, ignore_errors=True)
-        fsync_dir(data_dir)
-    except BaseException:
-        _wipe(data_dir)  # empty, never half-installed: the replica copies a snapshot again
-        raise
-    marker.unlink()
-    fsync_dir(data_dir)
     log.warning(
         "installed a copy of the master's schedule filed up to offset %d (%d files, %d bytes): the log is "
         "fetched from %d",
@@ -241,22 +222,7 @@ def install(data_dir: Path, snapshot: Snapshot) -> None:
 
 
 def discard_interrupted(data_dir: Path) -> bool:
-    """At start: a snapshot install that a crash cut short leaves neither the old state nor the
-    copy trustworthy; wipe both (the replica starts empty and copies again). Whether it did."""
-    marker = data_dir / INSTALLING
+    """At start: a copy being made is dropped, and an install that a crash cut short wiped
+    (qmq.replication.install). Whether an install was."""
     shutil.rmtree(data_dir / PARTIAL_DIR, ignore_errors=True)
-    if not marker.exists():
-        return False
-    log.warning("%s: a snapshot install was interrupted; starting empty, to copy the master's again", data_dir)
-    _wipe(data_dir)
-    marker.unlink()
-    fsync_dir(data_dir)
-    return True
-
-
-def _wipe(data_dir: Path) -> None:
-    for part in (*STORE_DIRS, *STATE_DIRS):
-        shutil.rmtree(data_dir / part, ignore_errors=True)
-    for name in STORE_FILES:
-        (data_dir / name).unlink(missing_ok=True)
-    fsync_dir(data_dir)
+    return install_marker.discard_interrupted(data_dir, STATE_DIRS)

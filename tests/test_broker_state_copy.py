@@ -15,6 +15,7 @@ from qmq.broker import snapshot, state_copy
 from qmq.broker.journal import Create
 from qmq.broker.state import BrokerState
 from qmq.protocol.limits import ACTION_SUBJECT
+from qmq.replication import install as install_marker
 from qmq.store import epochs as ep
 from qmq.store.segment import segment_name
 from qmq.store.store import LogStore, Message
@@ -58,7 +59,7 @@ def test_an_installed_copy_goes_on_with_the_masters_sequences_and_consume_logs(t
     replica_dir = tmp_path / "replica"
     LogStore(replica_dir, CONFIG).close()  # an old, wiped-out store of its own
     state_copy.install(replica_dir, CONFIG, copy)
-    assert not (replica_dir / state_copy.INSTALLING).exists()
+    assert not (replica_dir / install_marker.INSTALLING).exists()
     assert snapshot.load(replica_dir / "consumers")["journal_seq"] == state.journal_seq
     assert ep.load(replica_dir) == [(1, 0)]
 
@@ -107,10 +108,10 @@ def test_an_install_cut_short_leaves_the_directory_empty_at_the_next_start(tmp_p
     monkeypatch.undo()
     (replica_dir / "messagelog").mkdir(exist_ok=True)  # what a crash could leave: part of the copy
     (replica_dir / "messagelog" / segment_name(copy.log_start)).write_bytes(b"")
-    assert (replica_dir / state_copy.INSTALLING).exists()
+    assert (replica_dir / install_marker.INSTALLING).exists()
 
     assert state_copy.discard_interrupted(replica_dir)
-    assert not (replica_dir / state_copy.INSTALLING).exists()
+    assert not (replica_dir / install_marker.INSTALLING).exists()
     assert not state_copy.discard_interrupted(replica_dir)  # nothing left to discard
     with LogStore(replica_dir, CONFIG) as fresh:  # empty: the replica fetches from 0, is refused, copies
         assert fresh.start_offset == fresh.end_offset == 0 and fresh.subjects() == {}

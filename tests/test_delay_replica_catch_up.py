@@ -20,9 +20,10 @@ import time
 
 import pytest
 
-from delay_server.snapshot import INSTALLING, PARTIAL_DIR
+from delay_server.snapshot import PARTIAL_DIR
 from delay_server.verify import iter_scheduled
 from qmq.client import Client, OutgoingMessage
+from qmq.replication.install import INSTALLING
 from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
 from tests.support.delay import Arrivals, dispatched_ids, restart_delay_server, start_delay_server

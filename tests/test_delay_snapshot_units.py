@@ -9,6 +9,7 @@ import pytest
 from delay_server import snapshot
 from delay_server.schedule_log import CHECKPOINT_FILE
 from qmq.protocol.errors import ProtocolError
+from qmq.replication import install as install_marker
 from qmq.store import epochs as ep
 from qmq.store.segment import segment_name
 from qmq.store.store import LogStore
@@ -73,14 +74,14 @@ def test_an_install_cut_short_leaves_the_directory_empty_and_a_start_finishes_wi
     with pytest.raises(KeyboardInterrupt):
         snapshot.install(replica, copy)
     monkeypatch.undo()
-    assert (replica / snapshot.INSTALLING).exists()
-    assert not any((replica / part).exists() for part in (*snapshot.STORE_DIRS, *snapshot.STATE_DIRS))
+    assert (replica / install_marker.INSTALLING).exists()
+    assert not any((replica / part).exists() for part in (*install_marker.STORE_DIRS, *snapshot.STATE_DIRS))
 
     # A kill in the middle leaves whatever it leaves, with the marker: the next start wipes it all.
     (replica / "schedule").mkdir()
     (replica / "schedule" / "new.log").write_bytes(b"half")
     assert snapshot.discard_interrupted(replica)
-    assert not (replica / snapshot.INSTALLING).exists() and not (replica / "schedule").exists()
+    assert not (replica / install_marker.INSTALLING).exists() and not (replica / "schedule").exists()
     assert not snapshot.discard_interrupted(replica)
     with LogStore(replica, SMALL) as store:  # empty: the replica fetches from 0 and copies again
         assert (store.start_offset, store.end_offset) == (0, 0)
@@ -94,7 +95,7 @@ def test_an_installed_copy_opens_as_a_log_store_beginning_at_the_copys_segment(t
         (partial / part).mkdir(parents=True)
     (partial / "schedule" / CHECKPOINT_FILE).write_text('{"version": 1, "offset": 5000}')
     snapshot.install(replica, snapshot.Snapshot(offset=5000, log_start=4096, epochs=[(2, 0)], files=0, bytes=0))
-    assert not (replica / snapshot.INSTALLING).exists() and not partial.exists()
+    assert not (replica / install_marker.INSTALLING).exists() and not partial.exists()
     assert ep.load(replica) == [(2, 0)]
     with LogStore(replica, SMALL) as store:
         assert (store.start_offset, store.end_offset) == (4096, 4096)

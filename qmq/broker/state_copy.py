@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +46,11 @@ from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.protocol.fields import bad, field
+from qmq.replication import install as install_marker
 from qmq.store import checkpoint as ckpt
 from qmq.store import epochs as ep
 from qmq.store.consume_log import ConsumeLog, pack_entry
-from qmq.store.files import DamagedFile, fsync_dir, fsync_path, read_json, sealed, unsealed
-from qmq.store.segment import segment_name
+from qmq.store.files import DamagedFile, fsync_dir, read_json, sealed, unsealed
 from qmq.store.store import FORMAT_FILE, LogStore, StoreConfig
 
 log = logging.getLogger("qmq.broker")
@@ -61,9 +60,7 @@ COPY_VERSION = 1
 KEPT_COPIES = 4  # copies a master holds for replicas still reading them (the oldest goes first)
 READ_CHUNK_BYTES = 4 * 1024 * 1024  # one REPL_SNAPSHOT_READ reply carries at most this
 REPLY_TIMEOUT_S = 30.0
-STORE_DIRS = ("messagelog", "consumelog", "index", "checkpoint", STATE_DIR)  # replaced by the copy
-STORE_FILES = ("recovery_point", "epochs")
-INSTALLING = "snapshot.installing"  # marker: the data directory is being replaced by a copy
+STATE_DIRS = (STATE_DIR,)  # replaced by the copy, beside the log store
 
 
 class CopyError(Exception):
@@ -194,26 +191,11 @@ def install(data_dir: Path, config: StoreConfig, copy: StateCopy) -> None:
     begins empty at `copy.log_start`, each subject's sequence at its floor, the state is the
     master's. A crash part-way leaves the marker, and the next start wipes the directory
     (`discard_interrupted`). Blocking."""
-    marker = data_dir / INSTALLING
-    marker.write_text(f"installing the master's consumption state, log from {copy.log_start}\n")
-    fsync_path(marker)
-    fsync_dir(data_dir)
-    try:
-        _wipe(data_dir)
-        (data_dir / "messagelog").mkdir()
-        fd = os.open(data_dir / "messagelog" / segment_name(copy.log_start), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
-        os.fsync(fd)
-        os.close(fd)
-        fsync_dir(data_dir / "messagelog")
+    with install_marker.installing(data_dir, f"the master's consumption state, log from {copy.log_start}", STATE_DIRS):
+        install_marker.start_log_at(data_dir, copy.log_start)
         _write_floors(data_dir, config, copy)
         snapshot.save(data_dir / STATE_DIR, copy.state)
         ep.save(data_dir, copy.epochs)
-        fsync_dir(data_dir)
-    except BaseException:
-        _wipe(data_dir)  # empty, never half-installed: the replica copies again
-        raise
-    marker.unlink()
-    fsync_dir(data_dir)
     log.warning(
         "installed a copy of the master's consumption state (journal sequence %d, %d bytes, %d subjects carried "
         "over): the log is fetched from %d",
@@ -249,24 +231,8 @@ def _write_floors(data_dir: Path, config: StoreConfig, copy: StateCopy) -> None:
 
 
 def discard_interrupted(data_dir: Path) -> bool:
-    """At start: an install that a crash cut short leaves neither the old state nor the copy
-    trustworthy; wipe both (the replica starts empty and copies again). Whether it did."""
-    marker = data_dir / INSTALLING
-    if not marker.exists():
-        return False
-    log.warning("%s: a consumption-state install was interrupted; starting empty, to copy the master's again", data_dir)
-    _wipe(data_dir)
-    marker.unlink()
-    fsync_dir(data_dir)
-    return True
-
-
-def _wipe(data_dir: Path) -> None:
-    for part in STORE_DIRS:
-        shutil.rmtree(data_dir / part, ignore_errors=True)
-    for name in STORE_FILES:
-        (data_dir / name).unlink(missing_ok=True)
-    fsync_dir(data_dir)
+    """At start: an install that a crash cut short is wiped (qmq.replication.install)."""
+    return install_marker.discard_interrupted(data_dir, STATE_DIRS)
 
 
 def refuse(kind: Any) -> None:
