@@ -298,11 +298,13 @@ def test_metrics_and_sigterm_exit_zero(processes, sqlite_url) -> None:
     def scraped() -> str | None:
         with urllib.request.urlopen(f"http://{HOST}:{metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
-        return text if 'qmq_meta_servers{kind="broker",state="available"} 1.0' in text else None
+        published = 'qmq_meta_servers{kind="broker",state="available"} 1.0' in text
+        return text if published and "qmq_meta_route_groups 1.0" in text else None
 
-    text = wait_until(scraped, "the sweep to publish gauges")
+    # The gauges are published by the periodic sweep: one that began before the route was made
+    # shows the server but not yet the route, so wait for a sweep that saw both.
+    text = wait_until(scraped, "a sweep to publish the server and the route")
     assert 'qmq_meta_requests_total{request="meta_route"} 1.0' in text
-    assert "qmq_meta_route_groups 1.0" in text
 
     assert processes.kill(proc, signal.SIGTERM) == 0  # with a client still connected
     with pytest.raises(ConnectionError):
