@@ -1,6 +1,6 @@
 """Fixtures shared by every test: a PostgreSQL database and a Redis key space of this run's own,
-free ports, real child processes that are always stopped, a broker, and an engine on the module's
-`db_url`."""
+free ports, real child processes that are always stopped, a broker, a meta server for replicated
+groups, and an engine on the module's `db_url`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import redis
 
 from qmq.db.engine import create_engine
 from tests.support.broker import start_broker
+from tests.support.databases import fresh_database
 from tests.support.processes import ProcessManager, free_port
+from tests.support.replication import HOST, start_meta
 
 PG_ADMIN_URL = os.environ.get("QMQ_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("QMQ_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -70,6 +72,16 @@ def broker(processes, tmp_path):
     """A broker of the test's own, with its store in tmp_path/broker (a module that wants other
     flags defines its own `broker`)."""
     return start_broker(processes, tmp_path / "broker")
+
+
+@pytest.fixture
+def meta(processes, pg_url):
+    """A meta server on a PostgreSQL database of its own, with the short failover settings of
+    tests/support/replication.py: its address, for `--meta` (a module that wants others defines its
+    own `meta`)."""
+    with fresh_database(pg_url) as url:
+        _, meta_port = start_meta(processes, url)
+        yield f"{HOST}:{meta_port}"
 
 
 @pytest.fixture

@@ -24,13 +24,10 @@ from qmq.protocol.codes import RequestCode
 from qmq.store import record as rec
 from qmq.store.damage import MEND_GIVE_UP_S
 from tests.support.broker import RawConsumer, restart_broker, send, start_broker
-from tests.support.databases import fresh_database
 from tests.support.replication import (
-    HOST,
     meta_in_sync,
     replication,
     start_member,
-    start_meta,
     wait_for,
     wait_in_sync,
     wait_role,
@@ -41,13 +38,6 @@ COUNT = 3000
 PAYLOAD = b"m" * 1000  # 3,000 of them fill three 1 MiB segments
 VICTIM = "m-00010"
 CONSUME_TIMEOUT_S = 60.0
-
-
-@pytest.fixture
-def meta(processes, pg_url):
-    with fresh_database(pg_url) as url:
-        _, port = start_meta(processes, url)
-        yield f"{HOST}:{port}"
 
 
 @pytest.fixture

@@ -18,19 +18,14 @@ from __future__ import annotations
 import shutil
 import signal
 
-import pytest
-
 from qmq.protocol.codes import RequestCode
 from qmq.store.segment import list_segments
 from tests.support.broker import Broker, RawConsumer, send, start_broker
-from tests.support.databases import fresh_database
 from tests.support.replication import (
-    HOST,
     MAX_LAG,
     meta_in_sync,
     meta_request,
     replication,
-    start_meta,
     wait_for,
     wait_in_sync,
     wait_role,
@@ -43,13 +38,6 @@ FILLER = b"f" * 10_000  # other subjects' traffic that rolls segments
 SUBJECT = "bstate.orders"
 OLD_SUBJECT = "bstate.old"  # every record of it expires: its sequences must go on where they were
 NOISE = "bstate.noise"
-
-
-@pytest.fixture
-def meta(processes, pg_url):
-    with fresh_database(pg_url) as url:
-        _, port = start_meta(processes, url)
-        yield f"{HOST}:{port}"
 
 
 def start_member(processes, data_dir, meta: str, name: str, *extra: str) -> Broker:

@@ -18,21 +18,16 @@ import shutil
 import signal
 import time
 
-import pytest
-
 from delay_server.snapshot import PARTIAL_DIR
 from delay_server.verify import iter_scheduled
 from qmq.client import Client, OutgoingMessage
 from qmq.replication.install import INSTALLING
 from tests.support.broker import start_broker
-from tests.support.databases import fresh_database
 from tests.support.delay import Arrivals, dispatched_ids, restart_delay_server, start_delay_server
 from tests.support.replication import (
-    HOST,
     MAX_LAG,
     meta_in_sync,
     replication,
-    start_meta,
     wait_for,
     wait_in_sync,
     wait_role,
@@ -48,13 +43,6 @@ CANCELLED = 40  # of the pending ones, cancelled before the replica joins
 AHEAD_MS = 3_600_000  # pending messages are due an hour ahead...
 DUE_AFTER_SHIFT_S = 3.0  # ...until the clock moves them to this long after the promotion
 SLACK_S = 3.0  # lateness of a healthy delay server on a shared 2-core machine
-
-
-@pytest.fixture
-def meta(processes, pg_url):
-    with fresh_database(pg_url) as url:
-        _, port = start_meta(processes, url)
-        yield f"{HOST}:{port}"
 
 
 def start_member(processes, data_dir, meta: str, clock_file, name: str, ack_replicas: str = "1"):

@@ -19,24 +19,19 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from delay_server.dispatch_log import DONE_SUFFIX
 from delay_server.schedule_log import bucket_name
 from qmq.client import Client, OutgoingMessage
 from qmq.protocol.codes import RequestCode
 from tests.support.broker import start_broker
-from tests.support.databases import fresh_database
 from tests.support.delay import Arrivals, dispatched_ids, start_delay_server
 from tests.support.replication import (
     FAILOVER_AFTER_S,
-    HOST,
     MAX_LAG,
     admin_failover,
     meta_in_sync,
     meta_request,
     replication,
-    start_meta,
     wait_for,
     wait_in_sync,
     wait_role,
@@ -49,13 +44,6 @@ BATCH = 500
 SPREAD_S = 12.0  # due times spread evenly over this window
 LEAD_S = 6.0 + MESSAGES / 1500  # the first is due this long after sending starts: every message is pending first
 SLACK_S = float(os.environ.get("QMQ_DELAY_REPL_SLACK_S", "3.0"))  # lateness of a healthy delay server here
-
-
-@pytest.fixture
-def meta(processes, pg_url):
-    with fresh_database(pg_url) as url:
-        _, port = start_meta(processes, url)
-        yield f"{HOST}:{port}"
 
 
 def start_member(processes, data_dir, meta: str, name: str, *args: str):

@@ -37,13 +37,6 @@ BATCH = 50
 SUBJECT = "repl.orders"
 
 
-@pytest.fixture
-def meta(processes, pg_url):
-    with fresh_database(pg_url) as url:
-        _, port = start_meta(processes, url)
-        yield f"{HOST}:{port}"
-
-
 class Producer(threading.Thread):
     """Sends `count` messages in batches; a batch's failed messages are sent again (same ids) until
     every one is acknowledged. `acked` holds the ids a broker acknowledged, in order."""

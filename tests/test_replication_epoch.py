@@ -10,17 +10,9 @@ import pytest
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 from tests.support.broker import send
-from tests.support.databases import fresh_database
-from tests.support.replication import HOST, replication, start_group, start_meta
+from tests.support.replication import replication, start_group
 
 SUBJECT = "epoch.orders"
-
-
-@pytest.fixture
-def meta(processes, pg_url):
-    with fresh_database(pg_url) as url:
-        _, port = start_meta(processes, url)
-        yield f"{HOST}:{port}"
 
 
 def test_a_master_refuses_requests_naming_a_newer_epoch_and_stores_nothing_from_them(processes, tmp_path, meta) -> None:

@@ -10,32 +10,20 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 from qmq.client import Client, OutgoingMessage
 from qmq.net.client import BlockingConnection
 from qmq.protocol.codes import RequestCode
 from tests.support.broker import restart_broker, start_broker
-from tests.support.databases import fresh_database
 from tests.support.replication import (
     FAILOVER_AFTER_S,
-    HOST,
     MAX_LAG,
     replication,
-    start_meta,
     wait_for,
     wait_in_sync,
     wait_role,
 )
 
 SUBJECT = "members.orders"
-
-
-@pytest.fixture
-def meta(processes, pg_url):
-    with fresh_database(pg_url) as url:
-        _, port = start_meta(processes, url)
-        yield f"{HOST}:{port}"
 
 
 def member(processes, data_dir, meta, name):
