@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Wall time of `docker-compose up -d --build` on the local images (scripts/docker/local.yml), until
-# every long-running service is healthy, then `down -v`. Needs a running Docker daemon.
+# every long-running service is healthy, then `down -v`. Starts a Docker daemon (as root, with the
+# flags tests/support/compose.py uses) when none answers, and stops it at the end.
 #   bash bench/compose_up.sh            # warm: the images exist (build from cache)
 #   bash bench/compose_up.sh --cold     # cold: qmq's, PostgreSQL's and Redis's images removed first
 #   bash bench/compose_up.sh --cold-base  # colder: the debootstrapped base image too
@@ -22,7 +23,19 @@ if [ "$mode" = --cold ] || [ "$mode" = --cold-base ]; then
     [ "$mode" = --cold-base ] && { docker rmi -f qmq-base:bookworm >/dev/null 2>&1 || true; }
     docker image prune -f --filter label=qmq.recipe >/dev/null
 fi
-trap '"${COMPOSE[@]}" down -v >/dev/null 2>&1 || true' EXIT
+dockerd_pid=
+if ! docker info >/dev/null 2>&1; then
+    command -v dockerd >/dev/null || { echo "no Docker daemon answers and dockerd is missing" >&2; exit 1; }
+    dockerd --iptables=false --ip-masq=false --bridge=none >"${TMPDIR:-/tmp}/qmqbench-dockerd.log" 2>&1 &
+    dockerd_pid=$!
+    for _ in $(seq 120); do docker info >/dev/null 2>&1 && break; sleep 0.5; done  # polling the daemon's start
+    docker info >/dev/null 2>&1 || { echo "dockerd did not answer within 60 s" >&2; exit 1; }
+fi
+cleanup() {
+    "${COMPOSE[@]}" down -v >/dev/null 2>&1 || true
+    if [ -n "$dockerd_pid" ]; then kill "$dockerd_pid" 2>/dev/null; wait "$dockerd_pid" 2>/dev/null; fi
+}
+trap cleanup EXIT
 
 healthy() {
     local ids
