@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from pathlib import Path
 
 from delay_server.schedule_log import bucket_name
+from qmq.store import checksum
 from qmq.store.files import fsync_dir
 
 ENTRY = struct.Struct(">QI")  # position in the bucket's .log file, CRC-32 of its 8 bytes
@@ -30,7 +30,7 @@ POSITION = struct.Struct(">Q")
 
 def pack_entry(position: int) -> bytes:
     raw = POSITION.pack(position)
-    return raw + struct.pack(">I", zlib.crc32(raw))
+    return raw + struct.pack(">I", checksum.crc32(raw))
 
 
 def read_entries(path: Path) -> tuple[list[int], int]:
@@ -43,7 +43,7 @@ def read_entries(path: Path) -> tuple[list[int], int]:
     for i in range(len(data) // ENTRY_SIZE):
         at = i * ENTRY_SIZE
         offset, crc = ENTRY.unpack_from(data, at)
-        if zlib.crc32(data[at : at + 8]) == crc:
+        if checksum.crc32(data[at : at + 8]) == crc:
             offsets.append(offset)
         else:
             bad += 1

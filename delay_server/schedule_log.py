@@ -19,13 +19,13 @@ import logging
 import os
 import resource
 import struct
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import NamedTuple
 
+from qmq.store import checksum
 from qmq.store import record as rec
 from qmq.store.files import fsync_dir, fsync_path, pwrite_all, read_json, write_json
 
@@ -61,7 +61,7 @@ class IndexEntry(NamedTuple):
 
 def pack_index(offset: int, position: int, due_ms: int, size: int) -> bytes:
     head = INDEX_HEAD.pack(offset, position, due_ms, size)
-    return head + zlib.crc32(head).to_bytes(4, "big")
+    return head + checksum.crc32(head).to_bytes(4, "big")
 
 
 def bucket_name(start_ms: int) -> str:
@@ -118,7 +118,7 @@ class Bucket:
         """Index entries `first` .. `first + count - 1`, CRC-checked."""
         data = os.pread(self.index_fd, count * INDEX_SIZE, first * INDEX_SIZE)
         out = []
-        crc32, head = zlib.crc32, INDEX_HEAD.size
+        crc32, head = checksum.crc32, INDEX_HEAD.size
         for i, (offset, position, due_ms, size, crc) in enumerate(
             INDEX.iter_unpack(data[: len(data) // INDEX_SIZE * INDEX_SIZE])
         ):
@@ -131,7 +131,7 @@ class Bucket:
     def iter_due(self, count: int, chunk: int = LOAD_CHUNK_ENTRIES) -> Iterator[tuple[int, int, int]]:
         """(message-log offset, position, due ms) of the first `count` entries, CRC-checked: what
         loading a bucket needs, without an object per entry."""
-        crc32, head = zlib.crc32, INDEX_HEAD.size
+        crc32, head = checksum.crc32, INDEX_HEAD.size
         for first in range(0, count, chunk):
             data = os.pread(self.index_fd, min(chunk, count - first) * INDEX_SIZE, first * INDEX_SIZE)
             at = 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -27,6 +26,7 @@ from delay_server.schedule_log import (
     SETTINGS_FILE,
     parse_bucket_name,
 )
+from qmq.store import checksum
 from qmq.store import record as rec
 from qmq.store.verify import VerifyReport
 
@@ -116,7 +116,9 @@ def _verify_bucket(
         at = i * INDEX_SIZE
         offset, position, due_ms, size = INDEX_HEAD.unpack_from(data, at)
         where = f"{index_path}: entry {i}"
-        if zlib.crc32(data[at : at + INDEX_HEAD.size]) != int.from_bytes(data[at + INDEX_HEAD.size : at + INDEX_SIZE]):
+        if checksum.crc32(data[at : at + INDEX_HEAD.size]) != int.from_bytes(
+            data[at + INDEX_HEAD.size : at + INDEX_SIZE]
+        ):
             report.problems.append(f"{where}: CRC mismatch")
             continue
         record = found.get(position)

@@ -10,10 +10,10 @@ when either check fails. Version 1 files (no CRC) are still read, and only cross
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qmq.store import checksum
 from qmq.store.files import read_json, write_json
 
 FILE_NAME = "checkpoint.json"
@@ -58,4 +58,4 @@ def save(directory: Path, checkpoint: Checkpoint) -> None:
 
 def _crc(data: dict) -> int:
     """CRC-32 of the fields in a canonical form (sorted keys, compact), whatever order they came in."""
-    return zlib.crc32(json.dumps(data, sort_keys=True, separators=(",", ":")).encode())
+    return checksum.crc32(json.dumps(data, sort_keys=True, separators=(",", ":")).encode())

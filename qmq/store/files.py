@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from pathlib import Path
 from typing import Any
+
+from qmq.store import checksum
 
 TMP_SUFFIX = ".tmp"
 SEAL = struct.Struct(">II")  # crc32 of the body, body length
@@ -96,7 +97,7 @@ def read_json(path: Path) -> Any | None:
 
 def sealed(body: bytes) -> bytes:
     """`body` framed with its CRC-32 and length."""
-    return SEAL.pack(zlib.crc32(body), len(body)) + body
+    return SEAL.pack(checksum.crc32(body), len(body)) + body
 
 
 def unsealed(data: bytes, path: Path, what: str = "file") -> bytes:
@@ -106,6 +107,6 @@ def unsealed(data: bytes, path: Path, what: str = "file") -> bytes:
         raise DamagedFile(f"{path}: truncated {what} ({len(data)} bytes)")
     crc, length = SEAL.unpack_from(data)
     body = data[SEAL.size :]
-    if len(body) != length or zlib.crc32(body) != crc:
+    if len(body) != length or checksum.crc32(body) != crc:
         raise DamagedFile(f"{path}: {what} fails its CRC check (expected {length} bytes, have {len(body)})")
     return body

@@ -7,10 +7,11 @@ everything after the CRC. Integers are big-endian. Nothing here does I/O.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Sequence
 from enum import IntEnum
 from typing import NamedTuple
+
+from qmq.store import checksum
 
 MAGIC = 0x514D5101  # "QMQ" + layout version 1
 # size, magic, crc, attr, flags, store_ts_ms, seq, subject_len, id_len, key_len, tags_len, payload_len
@@ -72,7 +73,7 @@ def tag_mask(tags) -> int:
     bits are set, and surely absent otherwise; readers confirm against the record's real tags."""
     mask = 0
     for tag in tags:
-        h = zlib.crc32(tag.encode())
+        h = checksum.crc32(tag.encode())
         mask |= (1 << (h & 63)) | (1 << ((h >> 6) & 63))
     return mask
 
@@ -80,8 +81,8 @@ def tag_mask(tags) -> int:
 def key_hash(data: bytes, prefix: bytes = b"") -> int:
     """A stable 64-bit hash for the key index (Python's hash() changes between processes)."""
     if prefix:
-        return (zlib.crc32(data, zlib.crc32(prefix)) << 32) | zlib.adler32(data, zlib.adler32(prefix))
-    return (zlib.crc32(data) << 32) | zlib.adler32(data)
+        return (checksum.crc32(data, checksum.crc32(prefix)) << 32) | checksum.adler32(data, checksum.adler32(prefix))
+    return (checksum.crc32(data) << 32) | checksum.adler32(data)
 
 
 def encode(
@@ -103,7 +104,7 @@ def encode(
         + key
         + tags
     )
-    crc = zlib.crc32(payload, zlib.crc32(meta))
+    crc = checksum.crc32(payload, checksum.crc32(meta))
     return b"".join((PREFIX_CRC.pack(CRC_START + len(meta) + len(payload), MAGIC, crc), meta, payload))
 
 
@@ -175,7 +176,7 @@ def decode(buf, pos: int, base_offset: int) -> Record:
     if size > avail:
         raise TruncatedRecord(offset, f"record of {size} bytes, only {avail} present")
     end = pos + size
-    actual = zlib.crc32(memoryview(buf)[pos + CRC_START : end])
+    actual = checksum.crc32(memoryview(buf)[pos + CRC_START : end])
     if actual != crc:
         raise RecordError(offset, f"CRC mismatch (stored {crc:#010x}, computed {actual:#010x})")
     if attr != _MESSAGE and attr != _BLANK:

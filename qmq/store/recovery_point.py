@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from pathlib import Path
+
+from qmq.store import checksum
 
 FILE_NAME = "recovery_point"
 POINT = struct.Struct(">QI")
@@ -36,7 +37,7 @@ class RecoveryPoint:
         if len(data) != POINT.size:
             return 0
         offset, crc = POINT.unpack(data)
-        return offset if zlib.crc32(data[:8]) == crc else 0
+        return offset if checksum.crc32(data[:8]) == crc else 0
 
     def record(self, offset: int) -> None:
         """Say everything before `offset` is fsynced (called by the flusher after each fsync)."""
@@ -44,7 +45,7 @@ class RecoveryPoint:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         self.last = offset
         packed = struct.pack(">Q", offset)
-        os.pwrite(self.fd, packed + struct.pack(">I", zlib.crc32(packed)), 0)
+        os.pwrite(self.fd, packed + struct.pack(">I", checksum.crc32(packed)), 0)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import zlib
 from pathlib import Path
 from typing import NamedTuple
 
+from qmq.store import checksum
 from qmq.store import record as rec
 from qmq.store.consume_log import pack_entry
 from qmq.store.files import fsync_dir
@@ -96,7 +96,7 @@ def check_chunk(data: bytes, offset: int) -> CheckedChunk:
     field lengths, CRC, attribute) and derive its consume-log and index entries, without building a
     `Record` per message: a replica's hot path. Raises `ChunkError` if the chunk is not exactly
     whole, valid records (the error of `record.decode` for the first bad one)."""
-    unpack, crc32, key_hash, tag_mask = rec.HEADER.unpack_from, zlib.crc32, rec.key_hash, rec.tag_mask
+    unpack, crc32, key_hash, tag_mask = rec.HEADER.unpack_from, checksum.crc32, rec.key_hash, rec.tag_mask
     header_size, crc_start, magic_ok, max_size = rec.HEADER_SIZE, rec.CRC_START, rec.MAGIC, rec.MAX_RECORD_SIZE
     message, blank = int(rec.Attr.MESSAGE), int(rec.Attr.BLANK)
     view = memoryview(data)
