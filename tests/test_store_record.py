@@ -114,3 +114,22 @@ def test_log_commands_name_a_directory_that_is_not_a_store(tmp_path):
         [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(tmp_path)], capture_output=True, text=True
     )
     assert result.returncode == 2 and "not a qmq store" in result.stderr
+
+
+@given(data=st.binary(max_size=5000), prefix=st.binary(max_size=100), cut=st.integers(0, 64))
+def test_checksums_are_zlibs(data, prefix, cut):
+    """The store's checksums (zlib-ng) give zlib's values, on bytes and on views, continued from a
+    prefix's value as `record.key_hash` does: logs and indexes written before the change, or by
+    another build, read the same."""
+    import zlib
+
+    from qmq.store import checksum
+
+    view = memoryview(data)[cut:]
+    assert checksum.crc32(data) == zlib.crc32(data)
+    assert checksum.crc32(view, zlib.crc32(prefix)) == zlib.crc32(view, zlib.crc32(prefix))
+    assert checksum.adler32(data) == zlib.adler32(data)
+    assert checksum.adler32(view, zlib.adler32(prefix)) == zlib.adler32(view, zlib.adler32(prefix))
+    assert rec.key_hash(data, prefix) == (zlib.crc32(data, zlib.crc32(prefix)) << 32) | zlib.adler32(
+        data, zlib.adler32(prefix)
+    )
