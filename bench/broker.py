@@ -60,8 +60,14 @@ def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> Non
 
 def cpu_seconds(pid: int) -> float:
     """User and system CPU time of process `pid` so far."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU time of process `pid` so far, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def install_uvloop() -> None:

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from broker import cpu_seconds, free_port, install_uvloop, produce, wait_port  # bench/broker.py
+from broker import cpu_split, free_port, install_uvloop, produce, wait_port  # bench/broker.py
 
 from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
@@ -192,9 +192,9 @@ async def failover_time(cluster: Cluster) -> dict:
         await asyncio.sleep(0.01)
 
 
-def cpu_of(cluster: Cluster) -> dict[int, float]:
-    """CPU seconds so far of each broker of `cluster` (the meta server left out)."""
-    return {port: cpu_seconds(cluster.procs[port].pid) for port in cluster.ports}
+def cpu_of(cluster: Cluster) -> dict[int, tuple[float, float]]:
+    """(user, system) CPU seconds so far of each broker of `cluster` (the meta server left out)."""
+    return {port: cpu_split(cluster.procs[port].pid) for port in cluster.ports}
 
 
 def py_spy(cluster: Cluster, port: int, name: str, seconds: float) -> subprocess.Popen | None:
@@ -234,7 +234,8 @@ def produce_round(replicated: bool, args: argparse.Namespace, profile: bool) -> 
             spy.send_signal(signal.SIGINT)  # py-spy writes its output on ^C
             spy.wait(30)
         r["load"] = load
-        r["cpu_ms"] = [(after[p] - before[p]) * 1e6 / r["messages"] for p in cluster.ports]
+        r["cpu_ms"] = [(sum(after[p]) - sum(before[p])) * 1e6 / r["messages"] for p in cluster.ports]
+        r["sys_ms"] = [(after[p][1] - before[p][1]) * 1e6 / r["messages"] for p in cluster.ports]
     except BaseException:
         cluster.stop(keep=True)
         raise
@@ -251,7 +252,8 @@ def report_produce(args: argparse.Namespace) -> None:
             r = produce_round(replicated, args, profile=args.profile and n == 0)
             rates[replicated].append(r["rate"])
             name = "replicated (--ack-replicas 1)" if replicated else "single broker"
-            cpu = f"master {r['cpu_ms'][0]:.1f}" + (f", replica {r['cpu_ms'][1]:.1f}" if replicated else "")
+            cpu = f"master {r['cpu_ms'][0]:.1f} (system {r['sys_ms'][0]:.1f})"
+            cpu += f", replica {r['cpu_ms'][1]:.1f} (system {r['sys_ms'][1]:.1f})" if replicated else ""
             cpu += f", load generator {r['client_cpu_ms']:.1f}"
             print(
                 f"produce  round {n + 1} {name:<30} {r['rate']:>8,.0f} msg/s "
