@@ -45,6 +45,7 @@ from qmq.protocol.codes import RequestCode
 from qmq.protocol.connection import Request
 from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.protocol.fields import body_of
+from qmq.replication.crash_points import crash_point
 from qmq.replication.fetcher import Fetcher, ask_epoch_end
 from qmq.replication.mending import mend_damage, serve_copy
 from qmq.store import epochs as ep
@@ -180,6 +181,7 @@ class Roles:
         self._wish: Wish | None = None
         self._redo = False  # the fetcher asked to rejoin (truncation) even if the wish is the same
         self._from_snapshot = False  # the master's retention removed this replica's offset: copy its state
+        self._copied_by: dict[str, int] = {}  # replicas this master gave a copy of its state: their log start
         self._transition: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._mending: asyncio.Task[None] | None = None
@@ -259,7 +261,10 @@ class Roles:
                 ErrorCode.NOT_MASTER, f"{self.duty.kind} {self.address} is {self.role} in group {self.group}{where}"
             )
         if code == RequestCode.REPL_FETCH and followers is not None:
-            return await followers.fetch(_body(request))
+            body = _body(request)
+            if self._copied_by:
+                self._crash_point_after_copy(body)
+            return await followers.fetch(body)
         if code == RequestCode.REPL_EPOCH_END and followers is not None:
             return await followers.epoch_end(_body(request))
         if code == RequestCode.REPL_HANDOFF and followers is not None:
@@ -284,7 +289,21 @@ class Roles:
             raise RemoteError(
                 ErrorCode.NOT_MASTER, f"a snapshot of epoch {asked} was asked; this master serves epoch {self.epoch}"
             )
-        return await serve(service, code, body, epoch=self.epoch, epochs=self.epochs)
+        reply = await serve(service, code, body, epoch=self.epoch, epochs=self.epochs)
+        if code == RequestCode.REPL_SNAPSHOT:
+            self._copied_by[str(body.get("replica"))] = int(reply["log_start"])
+        else:
+            crash_point("snapshot-read")
+        return reply
+
+    def _crash_point_after_copy(self, body: dict[str, Any]) -> None:
+        """Tests (crash_points.py): this master dies at the first fetch of a replica it gave a copy of
+        its state, or once that replica holds some of its log."""
+        start = self._copied_by.get(str(body.get("replica")))
+        if start is not None:
+            crash_point("fetch-after-install")
+            if int(body.get("offset", 0)) > start:
+                crash_point("fetch-after-copy")
 
     def _check_client_epoch(self, body: Any) -> None:
         """A client that names a newer epoch than this master's learned of a failover this server
