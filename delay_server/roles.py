@@ -29,7 +29,7 @@ from typing import Any
 from delay_server import metrics, snapshot
 from delay_server.cancels import Cancels
 from delay_server.clock import Clock
-from delay_server.schedule_log import ScheduleLog
+from delay_server.schedule_log import CHECKPOINT_FILE, ScheduleLog
 from delay_server.scheduler import RETENTION_POLL_S, Scheduler, release_free_memory
 from delay_server.service import DelayService
 from delay_server.truncation import cut_back
@@ -37,6 +37,7 @@ from qmq.client.aio import AsyncClient
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.store import epochs as ep
+from qmq.store.files import read_json
 from qmq.store.store import LogStore
 
 log = logging.getLogger("qmq.delay")
@@ -188,6 +189,16 @@ class DelayDuty:
 
     def install_snapshot(self, data_dir: Path, copy: snapshot.Snapshot) -> None:
         snapshot.install(data_dir, copy)
+
+    def copy_ahead(self, data_dir: Path, store: LogStore) -> bool:
+        """The schedule is a master's copy filed further than this replica's log goes yet."""
+        service = self.service
+        if service is not None:
+            filed = service.filed_upto
+        else:
+            saved = read_json(data_dir / "schedule" / CHECKPOINT_FILE)
+            filed = int(saved["offset"]) if saved else 0
+        return filed > store.end_offset
 
     def mended(self, service: DelayService, messages: list[tuple[str, int]]) -> None:
         pass  # the scheduler reads its buckets, not the message log: nobody waits on a damaged record

@@ -9,6 +9,7 @@ import pytest
 from qmq.store import epochs as ep
 from qmq.store import record as rec
 from qmq.store.consume_log import pack_entry
+from qmq.store.recovery_point import RecoveryPoint
 from qmq.store.replication import ChunkError, check_chunk, split_chunk, truncate_log, whole_prefix
 from qmq.store.store import LogStore, Message, StoreError
 from qmq.store.verify import verify
@@ -88,6 +89,7 @@ def test_truncate_keeps_the_cut_bytes_and_the_store_rebuilds_its_derived_files(t
     assert truncate_log(tmp_path / "m", cut_at) == end - cut_at
     kept = b"".join(p.read_bytes() for p in sorted((tmp_path / "m" / "quarantine").iterdir()))
     assert kept == tail
+    assert RecoveryPoint(tmp_path / "m").load() == cut_at  # what was cut is not "durable bytes missing"
     with LogStore(tmp_path / "m", SMALL) as store:
         assert store.end_offset == cut_at
         assert store.next_seq("s") == 300

@@ -7,7 +7,9 @@ runs for a broker in each role.
 - **replica**: the store derives consume logs and index from what it copies; the consumption state
   follows the copied journal and is snapshotted as on a master (replica_state.py), so a promotion
   recovers from a recent snapshot, whatever retention removed meanwhile.
-- a cut log drops the consumption snapshot, which may cover what was cut.
+- a cut log drops the consumption snapshot if it covers what was cut; if the log left cannot rebuild
+  the state either (retention removed its start), the directory is wiped: the broker starts again
+  as a new replica and copies the master's state.
 - a replica whose log the master's retention removed (new, wiped, away too long) copies the
   master's consumption state instead (state_copy.py), then fetches the retained log from its start.
 """
@@ -20,10 +22,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from qmq.broker import metrics, state_copy
+from qmq.broker import metrics, snapshot, state_copy
 from qmq.broker.replica_state import ReplicaState
 from qmq.broker.service import STATE_DIR, BrokerService
 from qmq.protocol.codes import RequestCode
+from qmq.protocol.limits import ACTION_SUBJECT
+from qmq.replication import install as install_marker
 from qmq.store import epochs as ep
 from qmq.store.store import LogStore, StoreConfig
 
@@ -69,8 +73,48 @@ class BrokerDuty:
         if replica is not None:
             await replica.close()
 
-    async def truncated(self, data_dir: Path, offset: int) -> None:
-        shutil.rmtree(data_dir / STATE_DIR, ignore_errors=True)
+    async def truncated(self, data_dir: Path, offset: int) -> bool:
+        return await asyncio.to_thread(self._cut_state, data_dir, offset)
+
+    def _cut_state(self, data_dir: Path, offset: int) -> bool:
+        """After the log was cut at `offset`: the consumption snapshot is kept if it covers no journal
+        record that was cut; otherwise it goes, and the state is replayed from the journal, if the log
+        still begins at 0. If it does not (retention, or a copy of a master's state), the journal left
+        cannot rebuild it: the directory is wiped (True), so the broker starts again as a new replica,
+        which copies the master's state. Blocking."""
+        state_dir = data_dir / STATE_DIR
+        try:
+            saved = snapshot.load(state_dir)
+        except snapshot.SnapshotError:
+            saved = None
+        with LogStore(data_dir, self.store_config) as store:  # the derived files rebuilt for the cut log
+            journal_end, log_start = store.next_seq(ACTION_SUBJECT), store.start_offset
+        if saved is not None and int(saved.get("journal_seq", 0)) <= journal_end:
+            return False  # it covers only what is left
+        shutil.rmtree(state_dir, ignore_errors=True)
+        if log_start == 0:
+            return False  # the whole journal is left: the state is replayed from it
+        log.warning(
+            "the consumption state covers journal records cut at %d and the log left begins at %d: the data "
+            "directory is wiped, to copy the master's state again",
+            offset,
+            log_start,
+        )
+        install_marker.wipe(data_dir, state_copy.STATE_DIRS)
+        return True
+
+    def copy_ahead(self, data_dir: Path, store: LogStore) -> bool:
+        """The consumption state is a master's copy covering journal records not fetched yet."""
+        replica = self.replica
+        if replica is not None and replica.state is not None:
+            seq = replica.state.journal_seq
+        else:
+            try:
+                saved = snapshot.load(data_dir / STATE_DIR)
+            except snapshot.SnapshotError:
+                saved = None
+            seq = int(saved.get("journal_seq", 0)) if saved else 0
+        return seq > store.next_seq(ACTION_SUBJECT)
 
     def set_role(self, role: str, epoch: int) -> None:
         metrics.REPLICATION.set_role(role, epoch)

@@ -47,6 +47,7 @@ from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.protocol.fields import bad, field
 from qmq.replication import install as install_marker
+from qmq.replication.crash_points import crash_point
 from qmq.store import checkpoint as ckpt
 from qmq.store import epochs as ep
 from qmq.store.consume_log import ConsumeLog, pack_entry
@@ -194,6 +195,7 @@ def install(data_dir: Path, config: StoreConfig, copy: StateCopy) -> None:
     with install_marker.installing(data_dir, f"the master's consumption state, log from {copy.log_start}", STATE_DIRS):
         install_marker.start_log_at(data_dir, copy.log_start)
         _write_floors(data_dir, config, copy)
+        crash_point("snapshot-install")  # tests: the log begun, the state not yet in place
         snapshot.save(data_dir / STATE_DIR, copy.state)
         ep.save(data_dir, copy.epochs)
     log.warning(

@@ -45,6 +45,7 @@ from qmq.protocol.codes import RequestCode
 from qmq.protocol.connection import Request
 from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.protocol.fields import body_of
+from qmq.replication.crash_points import crash_point
 from qmq.replication.fetcher import Fetcher, ask_epoch_end
 from qmq.replication.mending import mend_damage, serve_copy
 from qmq.store import epochs as ep
@@ -82,7 +83,9 @@ class Duty(Protocol):
     server, a broker): `async serve_snapshot(service, code, body, *, epoch, epochs) -> dict` on a master
     (REPL_SNAPSHOT, REPL_SNAPSHOT_READ), and on a replica `async copy_snapshot(data_dir, master, *,
     group, replica, epoch, token)` (the copy, beside the open store) then `install_snapshot(data_dir,
-    copy)` (blocking, the store closed)."""
+    copy)` (blocking, the store closed); and `copy_ahead(data_dir, store) -> bool`: its state is a
+    copy covering more of the log than the replica holds yet (only as good as the master that made
+    it: a replica of another master copies again)."""
 
     kind: str  # "broker", "delay server": the start of each role-change log line
     stats_code: RequestCode  # answered by a server that is not master too
@@ -112,8 +115,10 @@ class Duty(Protocol):
 
     async def close_replica(self) -> None: ...
 
-    async def truncated(self, data_dir: Path, offset: int) -> None:
-        """The (closed) store's log was cut back to `offset`: drop the server's own state beyond it."""
+    async def truncated(self, data_dir: Path, offset: int) -> bool | None:
+        """The (closed) store's log was cut back to `offset`: drop the server's own state beyond it.
+        True: that state could not be rebuilt from the log left (retention removed its start), and
+        the directory was wiped: the server starts again as a new replica (and copies the master's)."""
         ...
 
     def set_role(self, role: str, epoch: int) -> None:
@@ -180,6 +185,7 @@ class Roles:
         self._wish: Wish | None = None
         self._redo = False  # the fetcher asked to rejoin (truncation) even if the wish is the same
         self._from_snapshot = False  # the master's retention removed this replica's offset: copy its state
+        self._copied_by: dict[str, int] = {}  # replicas this master gave a copy of its state: their log start
         self._transition: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._mending: asyncio.Task[None] | None = None
@@ -259,7 +265,10 @@ class Roles:
                 ErrorCode.NOT_MASTER, f"{self.duty.kind} {self.address} is {self.role} in group {self.group}{where}"
             )
         if code == RequestCode.REPL_FETCH and followers is not None:
-            return await followers.fetch(_body(request))
+            body = _body(request)
+            if self._copied_by:
+                self._crash_point_after_copy(body)
+            return await followers.fetch(body)
         if code == RequestCode.REPL_EPOCH_END and followers is not None:
             return await followers.epoch_end(_body(request))
         if code == RequestCode.REPL_HANDOFF and followers is not None:
@@ -284,7 +293,21 @@ class Roles:
             raise RemoteError(
                 ErrorCode.NOT_MASTER, f"a snapshot of epoch {asked} was asked; this master serves epoch {self.epoch}"
             )
-        return await serve(service, code, body, epoch=self.epoch, epochs=self.epochs)
+        reply = await serve(service, code, body, epoch=self.epoch, epochs=self.epochs)
+        if code == RequestCode.REPL_SNAPSHOT:
+            self._copied_by[str(body.get("replica"))] = int(reply["log_start"])
+        else:
+            crash_point("snapshot-read")
+        return reply
+
+    def _crash_point_after_copy(self, body: dict[str, Any]) -> None:
+        """Tests (crash_points.py): this master dies at the first fetch of a replica it gave a copy of
+        its state, or once that replica holds some of its log."""
+        start = self._copied_by.get(str(body.get("replica")))
+        if start is not None:
+            crash_point("fetch-after-install")
+            if int(body.get("offset", 0)) > start:
+                crash_point("fetch-after-copy")
 
     def _check_client_epoch(self, body: Any) -> None:
         """A client that names a newer epoch than this master's learned of a failover this server
@@ -409,6 +432,19 @@ class Roles:
         await self._stop_fetcher()
         self.role, self.epoch, self.master = Role.PENDING, epoch, master
         mine = ep.last_epoch(self.epochs)
+        if not self._from_snapshot and epoch > mine and await self._copy_ahead():
+            # A copy of the previous master's state covering log this replica has not fetched: the new
+            # master may never have had that log (it was durable on the old master alone), so the copy
+            # may hold what the group lost (acks, groups) and skip the new master's journal there.
+            log.warning(
+                "%s group %s: the state copied from the previous master covers log beyond %d that the new "
+                "master %s may not hold: copying the new master's",
+                self.duty.kind,
+                self.group,
+                self.store.end_offset,
+                master,
+            )
+            self._from_snapshot = True
         if self._from_snapshot:
             await self._close_replica()
             await self._start_over_from_snapshot(master, epoch)
@@ -447,14 +483,22 @@ class Roles:
             ", stepped down" if was_master else "",
         )
 
+    async def _copy_ahead(self) -> bool:
+        check = getattr(self.duty, "copy_ahead", None)
+        return bool(check is not None and await asyncio.to_thread(check, self.data_dir, self.store))
+
     async def _truncate(self, offset: int) -> None:
-        """Cut the log back to `offset` (what the new master does not have) and reopen the store."""
+        """Cut the log back to `offset` (what the new master does not have) and reopen the store.
+        A server whose own state covered what was cut and cannot be rebuilt from the log left wipes
+        its directory (`Duty.truncated`): it starts again as a new replica."""
         before = self.store.end_offset
         await asyncio.to_thread(self.store.close)
         cut = await asyncio.to_thread(truncate_log, self.data_dir, offset)
-        await self.duty.truncated(self.data_dir, offset)  # the server's own state may cover what was cut
-        self.epochs = ep.truncated(self.epochs, offset)
-        await asyncio.to_thread(ep.save, self.data_dir, self.epochs)
+        if await self.duty.truncated(self.data_dir, offset):  # the server's own state may cover what was cut
+            self.epochs = ep.load(self.data_dir)  # none: wiped
+        else:
+            self.epochs = ep.truncated(self.epochs, offset)
+            await asyncio.to_thread(ep.save, self.data_dir, self.epochs)
         self.store = await asyncio.to_thread(LogStore, self.data_dir, self.config)
         self.store.damage.mendable = self.replicated
         log.warning(

@@ -24,6 +24,7 @@ from qmq.store import checksum
 from qmq.store import record as rec
 from qmq.store.consume_log import pack_entry
 from qmq.store.files import fsync_dir
+from qmq.store.recovery_point import RecoveryPoint
 from qmq.store.segment import list_segments
 
 log = logging.getLogger("qmq.store")
@@ -194,5 +195,9 @@ def truncate_log(data_dir: Path, offset: int) -> int:
     if cut:
         for name in DERIVED_DIRS:
             shutil.rmtree(data_dir / name, ignore_errors=True)
+        point = RecoveryPoint(data_dir)
+        if point.load() > offset:  # what was cut is not missing: the next open need not say so
+            point.record(offset)
+            point.close()
         log.warning("message log cut back to offset %d: %d bytes kept in %s", offset, cut, quarantine)
     return cut

@@ -34,21 +34,30 @@ class Broker:
         return BlockingConnection.open(HOST, self.port, client_id=client_id, token=token)
 
 
-def start_broker(processes, data_dir: Path, *args: str, port: int | None = None, name: str = "broker") -> Broker:
-    """`qmq broker` on `data_dir` (sync flush unless `args` say otherwise); returns once it listens."""
-    return Broker(*start_server(processes, "broker", data_dir, args, port, name), data_dir, tuple(args))
+def start_broker(
+    processes, data_dir: Path, *args: str, port: int | None = None, name: str = "broker", env: dict | None = None
+) -> Broker:
+    """`qmq broker` on `data_dir` (sync flush unless `args` say otherwise); returns once it listens.
+    `env`: more environment (a crash point, qmq/replication/crash_points.py); not kept for a restart."""
+    return Broker(*start_server(processes, "broker", data_dir, args, port, name, env), data_dir, tuple(args))
 
 
 def start_server(
-    processes, command: str, data_dir: Path, args: tuple[str, ...], port: int | None, name: str
+    processes,
+    command: str,
+    data_dir: Path,
+    args: tuple[str, ...],
+    port: int | None,
+    name: str,
+    env: dict | None = None,
 ) -> tuple[Any, int]:
     """`qmq COMMAND` (a server with a data directory) on `port` (None: a free one), with no token or
-    meta server from the environment; its process and port, once it listens."""
+    meta server from the environment (and `env` added); its process and port, once it listens."""
     port = port or free_port()
     proc = processes.start(
         ["-m", "qmq", command, "--data-dir", str(data_dir), "--port", str(port), *args],
         name=name,
-        env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": ""},
+        env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": "", "QMQ_META": "", **(env or {})},
     )
     wait_for_port(port, proc)
     return proc, port

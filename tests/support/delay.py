@@ -29,10 +29,11 @@ class DelayServer(Broker):
 
 
 def start_delay_server(
-    processes, data_dir: Path, *args: str, port: int | None = None, name: str = "delay"
+    processes, data_dir: Path, *args: str, port: int | None = None, name: str = "delay", env: dict | None = None
 ) -> DelayServer:
-    """`qmq delay-server` on `data_dir` with `args` (--broker or --meta, ...); returns once it listens."""
-    return DelayServer(*start_server(processes, "delay-server", data_dir, args, port, name), data_dir, tuple(args))
+    """`qmq delay-server` on `data_dir` with `args` (--broker or --meta, ...); returns once it listens.
+    `env`: more environment (a crash point, qmq/replication/crash_points.py); not kept for a restart."""
+    return DelayServer(*start_server(processes, "delay-server", data_dir, args, port, name, env), data_dir, tuple(args))
 
 
 def restart_delay_server(processes, server: DelayServer, name: str = "delay-restarted") -> DelayServer:
