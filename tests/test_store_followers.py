@@ -107,3 +107,40 @@ def test_bad_fetches_and_a_newer_epoch(tmp_path) -> None:
             assert newer.value.code == ErrorCode.NOT_MASTER and seen == [3]
 
     run(scenario())
+
+
+def test_only_replicas_the_meta_server_heard_were_in_sync_acknowledge(tmp_path) -> None:
+    """The meta server promotes only replicas it heard were in sync: a replica it has not heard of
+    yet (just caught up) holding a send must not acknowledge it, or a failover to another could
+    lose it. Once the meta server holds it (`counted` changes, `settle`), its offset counts."""
+
+    async def scenario() -> None:
+        heard: set[str] = {"r:1"}
+        with LogStore(tmp_path / "s", SMALL) as store:
+            followers = Followers(
+                store, epoch=1, epochs=[(1, 0)], ack_replicas=1, max_lag_s=MAX_LAG_S, counted=lambda: heard
+            )
+            await followers.fetch(fetch_body(0, replica="r:1"))
+            await followers.fetch(fetch_body(0, replica="r:2"))
+            end = store.append([Message("s", "m1", b"x")])[-1].end
+            acked = asyncio.ensure_future(followers.acknowledged(end))
+            await followers.fetch(fetch_body(0, replica="r:2"))
+            await followers.fetch(fetch_body(end, replica="r:2"))  # r:2 has it durable
+            await asyncio.sleep(0)
+            assert not acked.done()  # r:2 is not among those the meta server would promote
+            heard.add("r:2")
+            followers.settle()
+            await asyncio.wait_for(acked, 1)
+            # and r:1, heard of all along, acknowledges what it holds
+            end2 = store.append([Message("s", "m2", b"x")])[-1].end
+            heard.discard("r:2")
+            acked2 = asyncio.ensure_future(followers.acknowledged(end2))
+            await followers.fetch(fetch_body(end, replica="r:2"))
+            await followers.fetch(fetch_body(end2, replica="r:2"))
+            await asyncio.sleep(0)
+            assert not acked2.done()
+            await followers.fetch(fetch_body(0, replica="r:1"))
+            await followers.fetch(fetch_body(end2, replica="r:1"))
+            await asyncio.wait_for(acked2, 1)
+
+    run(scenario())

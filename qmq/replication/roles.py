@@ -189,7 +189,9 @@ class Roles:
         self._transition: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._mending: asyncio.Task[None] | None = None
-        self._reported_in_sync: set[str] = set()  # as the meta server last heard it
+        self._reported_in_sync: set[str] = set()  # as the last heartbeat told the meta server
+        self._sent_in_sync: tuple[int, set[str]] | None = None  # (epoch, in sync) of the heartbeat out
+        self._meta_in_sync: set[str] = set()  # what the meta server confirmed it heard: they acknowledge
         self._last_unreachable_poke = 0.0
         self._handing_off_until = 0.0  # a manual failover stops sends until then (monotonic)
 
@@ -224,6 +226,9 @@ class Roles:
         if self.role is Role.MASTER and self.followers is not None:
             body["in_sync"] = self.followers.in_sync()
             self._reported_in_sync = set(body["in_sync"])
+            self._sent_in_sync = (self.epoch, self._reported_in_sync)
+        else:
+            self._sent_in_sync = None
         return body
 
     def on_meta_reply(self, reply: dict[str, Any]) -> None:
@@ -238,7 +243,18 @@ class Roles:
                     "%s group %s: replica %s was forgotten by the meta server", self.duty.kind, self.group, address
                 )
         epoch, master = int(reply["epoch"]), str(reply["master"])
+        sent, self._sent_in_sync = self._sent_in_sync, None
+        if sent is not None and master == self.address and epoch == sent[0] == self.epoch:
+            self._heard_in_sync(sent[1])
         self._want(Wish(Role.MASTER if master == self.address else Role.REPLICA, epoch, master))
+
+    def _heard_in_sync(self, in_sync: set[str]) -> None:
+        """The meta server now holds `in_sync` as this master's in-sync replicas, the only ones it
+        would promote: from now on their durable offsets acknowledge sends (docs/replication.md)."""
+        if in_sync != self._meta_in_sync:
+            self._meta_in_sync = in_sync
+            if self.followers is not None:
+                self.followers.settle()
 
     def on_meta_read_only(self, read_only: bool) -> None:
         self.meta_read_only = read_only
@@ -412,7 +428,9 @@ class Roles:
             on_newer_epoch=self._newer_epoch_seen,
             fenced=self._fenced,
             known_replicas=lambda: self.members,
+            counted=(lambda: self._meta_in_sync) if self.replicated else None,
         )
+        self._meta_in_sync = set()  # the meta server cleared the list when it made this epoch
         self.role, self.epoch, self.master = Role.MASTER, epoch, self.address
         self._update_read_only()
         self._changed()

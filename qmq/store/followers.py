@@ -12,8 +12,10 @@ until enough replicas have what it covers.
 - A replica is **in sync** while its durable offset is within `max_lag_bytes` of the log end and it
   caught up with the log end within `max_lag_s`: it reached the end as it is now, or the end as of
   an earlier reply, which it did at that reply's time (as Kafka counts it).
-- `acknowledged(end)` returns once `ack_replicas` replicas reported an offset at or past `end`;
-  it raises `NotEnoughReplicas` when fewer than that are in sync, or when this master is fenced.
+- `acknowledged(end)` returns once `ack_replicas` replicas reported an offset at or past `end`,
+  counting only the replicas `counted()` names (the meta server promotes only replicas it heard
+  were in sync, so an acknowledgement from another could be lost in a failover); it raises
+  `NotEnoughReplicas` when fewer than that are in sync, or when this master is fenced.
 - A fetch naming a newer epoch than this master's tells it it was deposed (`on_newer_epoch`).
 
 Runs on the event loop; no sockets (the server's handler table calls `fetch` and `epoch_end`).
@@ -27,7 +29,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -98,9 +100,11 @@ class Followers:
         on_newer_epoch: Callable[[int], None] = lambda epoch: None,
         fenced: Callable[[], bool] = lambda: False,
         known_replicas: Callable[[], int] = lambda: 0,
+        counted: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """`ack_replicas` None: 1 when the group has a replica (`known_replicas()`, or one that
-        fetched), else 0."""
+        fetched), else 0. `counted`: the replicas whose durable offsets acknowledge (None: every
+        replica); call `settle()` when it changes."""
         self.store = store
         self.epoch = epoch
         self.epochs = epochs
@@ -110,6 +114,7 @@ class Followers:
         self.on_newer_epoch = on_newer_epoch
         self.fenced = fenced
         self.known_replicas = known_replicas
+        self.counted = counted
         self.replicas: dict[str, ReplicaState] = {}
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap by end
         self._count = itertools.count()
@@ -168,8 +173,14 @@ class Followers:
         return f"{len(self.in_sync())} replica(s) in sync, {self.ack_replicas} needed"
 
     def _acked_offset(self, needed: int) -> int:
-        offsets = sorted((r.offset for r in self.replicas.values()), reverse=True)
+        counted = None if self.counted is None else self.counted()
+        replicas = self.replicas.values()
+        offsets = sorted((r.offset for r in replicas if counted is None or r.address in counted), reverse=True)
         return offsets[needed - 1] if len(offsets) >= needed else -1
+
+    def settle(self) -> None:
+        """Wake the acknowledgements that `counted()` now covers."""
+        self._settle()
 
     def _settle(self) -> None:
         needed = self.ack_replicas
