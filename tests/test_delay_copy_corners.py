@@ -20,8 +20,8 @@ from delay_server.verify import iter_scheduled
 from qmq.client import Client, OutgoingMessage
 from qmq.replication.crash_points import CRASH_AT_ENV
 from tests.support.broker import start_broker
-from tests.support.delay import dispatched_ids, start_delay_server
-from tests.support.replication import MAX_LAG, meta_in_sync, wait_for, wait_in_sync, wait_role
+from tests.support.delay import dispatched_ids
+from tests.support.replication import meta_in_sync, start_delay_member, wait_for, wait_in_sync, wait_role
 from tests.test_delay_replica_catch_up import (
     BODY,
     LOG_RETENTION_H,
@@ -38,25 +38,13 @@ from tests.test_delay_replica_catch_up import (
 
 
 def start_member(processes, data_dir, meta: str, clock_file, name: str, crash_at: str | None = None, extra=()):
-    return start_delay_server(
+    return start_delay_member(
         processes,
         data_dir,
-        "--meta",
         meta,
-        "--group",
-        "d1",
-        "--ack-replicas",
-        "1",
-        "--max-lag",
-        MAX_LAG,
+        name,
         *extra,
-        "--segment-mib",
-        SEGMENT_MIB,
-        "--log-retention",
-        LOG_RETENTION_H,
-        "--clock-file",
-        str(clock_file),
-        name=name,
+        *("--segment-mib", SEGMENT_MIB, "--log-retention", LOG_RETENTION_H, "--clock-file", str(clock_file)),
         env={CRASH_AT_ENV: crash_at} if crash_at else None,
     )
 

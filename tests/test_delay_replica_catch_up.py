@@ -23,11 +23,11 @@ from delay_server.verify import iter_scheduled
 from qmq.client import Client, OutgoingMessage
 from qmq.replication.install import INSTALLING
 from tests.support.broker import start_broker
-from tests.support.delay import Arrivals, dispatched_ids, restart_delay_server, start_delay_server
+from tests.support.delay import Arrivals, dispatched_ids, restart_delay_server
 from tests.support.replication import (
-    MAX_LAG,
     meta_in_sync,
     replication,
+    start_delay_member,
     wait_for,
     wait_in_sync,
     wait_role,
@@ -46,24 +46,13 @@ SLACK_S = 3.0  # lateness of a healthy delay server on a shared 2-core machine
 
 
 def start_member(processes, data_dir, meta: str, clock_file, name: str, ack_replicas: str = "1"):
-    return start_delay_server(
+    return start_delay_member(
         processes,
         data_dir,
-        "--meta",
         meta,
-        "--group",
-        "d1",
-        "--ack-replicas",
-        ack_replicas,
-        "--max-lag",
-        MAX_LAG,
-        "--segment-mib",
-        SEGMENT_MIB,
-        "--log-retention",
-        LOG_RETENTION_H,
-        "--clock-file",
-        str(clock_file),
-        name=name,
+        name,
+        *("--segment-mib", SEGMENT_MIB, "--log-retention", LOG_RETENTION_H, "--clock-file", str(clock_file)),
+        ack_replicas=ack_replicas,
     )
 
 

@@ -32,6 +32,7 @@ from tests.support.replication import (
     meta_in_sync,
     meta_request,
     replication,
+    start_delay_member,
     wait_for,
     wait_in_sync,
     wait_role,
@@ -47,20 +48,7 @@ SLACK_S = float(os.environ.get("QMQ_DELAY_REPL_SLACK_S", "3.0"))  # lateness of 
 
 
 def start_member(processes, data_dir, meta: str, name: str, *args: str):
-    return start_delay_server(
-        processes,
-        data_dir,
-        "--meta",
-        meta,
-        "--group",
-        "d1",
-        "--ack-replicas",
-        "1",
-        "--max-lag",
-        MAX_LAG,
-        *args,
-        name=name,
-    )
+    return start_delay_member(processes, data_dir, meta, name, *args)
 
 
 def start_group(processes, tmp_path, meta: str, *args: str):

@@ -15,6 +15,7 @@ from typing import Any
 from qmq.net.client import BlockingConnection
 from qmq.protocol.codes import RequestCode
 from tests.support.broker import ROOT, Broker, start_broker
+from tests.support.delay import start_delay_server
 from tests.support.processes import free_port, wait_for_port
 
 HOST = "127.0.0.1"
@@ -50,6 +51,28 @@ def start_member(
         *args,
         port=port,
         name=name,
+    )
+
+
+def start_delay_member(
+    processes, data_dir: Path, meta: str, name: str, *args: str, ack_replicas: str = "1", env: dict | None = None
+) -> Broker:
+    """A delay server joining group `d1` (the `delay:d1` of the meta server), as `start_member` starts
+    a broker."""
+    return start_delay_server(
+        processes,
+        data_dir,
+        "--meta",
+        meta,
+        "--group",
+        "d1",
+        "--ack-replicas",
+        ack_replicas,
+        "--max-lag",
+        MAX_LAG,
+        *args,
+        name=name,
+        env=env,
     )
 
 
