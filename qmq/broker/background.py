@@ -56,8 +56,9 @@ class BackgroundWork:
     async def take_snapshot(self) -> None:
         """Save the state once the journal it covers is on disk (never ahead of it)."""
         data = self.core.state.to_snapshot()
-        await self.core.store.flushed(self.core.store.end_offset)
-        await asyncio.to_thread(snapshot.save, self.state_dir, data)
+        end = self.core.store.end_offset  # taken with the state: the journal it covers ends before
+        await self.core.store.flushed(end)
+        await asyncio.to_thread(snapshot.save, self.state_dir, data, log_end=end)
 
     async def _snapshot_loop(self) -> None:
         saved_at = self.core.state.journal_seq

@@ -41,14 +41,18 @@ def load(store: LogStore, state_dir: Path, now: float, *, ahead_ok: bool = False
         log.warning("%s: discarding the snapshot, replaying the journal from its start", exc)
         saved = None
     state = BrokerState.from_snapshot(saved, now) if saved else BrokerState()
-    if state.journal_seq > store.next_seq(ACTION_SUBJECT) and not ahead_ok:
+    journal_end = store.next_seq(ACTION_SUBJECT)
+    if state.journal_seq > journal_end and not ahead_ok:
+        # Kept, such a snapshot would look valid once the journal grew past it with other entries.
+        kept = snapshot.keep_within(state_dir, journal_end, lambda seq: journal_retained(store, seq))
         log.warning(
             "the snapshot covers the journal up to sequence %d but the journal holds %d entries: discarding "
-            "the snapshot, replaying the journal from its start",
+            "the snapshot, replaying the journal from %s",
             state.journal_seq,
-            store.next_seq(ACTION_SUBJECT),
+            journal_end,
+            "its start" if kept is None else f"the older snapshot's sequence {kept.journal_seq}",
         )
-        state = BrokerState()
+        state = BrokerState() if kept is None else BrokerState.from_snapshot(kept.data, now)
     first = store.first_seq(ACTION_SUBJECT)
     if state.journal_seq < first:
         log.error(
@@ -58,6 +62,15 @@ def load(store: LogStore, state_dir: Path, now: float, *, ahead_ok: bool = False
             state.journal_seq,
         )
     return state
+
+
+def journal_retained(store: LogStore, seq: int) -> bool:
+    """The journal from sequence `seq` on is all in the log (retention removed none of it): a state
+    covering the entries before `seq` can be brought forward by replaying it."""
+    if seq >= store.next_seq(ACTION_SUBJECT):
+        return True
+    found = store.entries(ACTION_SUBJECT, seq, 1)
+    return bool(found) and found[0] is not None and found[0].offset >= store.start_offset
 
 
 def replay(store: LogStore, state: BrokerState, now: float, upto: int | None = None) -> int:

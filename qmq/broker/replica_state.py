@@ -6,8 +6,9 @@ too: recovering the state from the journal alone at promotion would lose what re
 (the positions of groups idle for longer than the retention, their retries and dead-letter marks).
 So a replica keeps the state as the master does: recovered at open from its own snapshot and
 journal, brought forward after each durable chunk (`replicated`), and saved to its own
-`consumers.snapshot` as often as a master does (background.py). The state only ever covers journal records that
-are durable here, so a saved snapshot never runs ahead of the log it covers. At promotion the
+`consumers/` as often as a master does (background.py; the last few are kept, snapshot.py, so a cut
+log can go back to one that covers nothing cut, as a master's). The state only ever covers journal
+records that are durable here, so a saved snapshot never runs ahead of the log it covers. At promotion the
 master's recovery starts from the last snapshot (`close` saves one).
 
 The work (reading journal records, applying them, saving) runs off the event loop, one step at a
@@ -106,7 +107,8 @@ class ReplicaState:
         moved since the last one. Blocking; one at a time (the task's, or close's once it stopped)."""
         state = self.state
         assert state is not None
-        recovery.replay(self.store, state, time.time(), upto=self.durable)
+        upto = self.durable
+        recovery.replay(self.store, state, time.time(), upto=upto)
         if save and state.journal_seq != self._saved_seq:
-            snapshot.save(self.state_dir, state.to_snapshot())
+            snapshot.save(self.state_dir, state.to_snapshot(), log_end=upto)
             self._saved_seq = state.journal_seq

@@ -7,9 +7,10 @@ runs for a broker in each role.
 - **replica**: the store derives consume logs and index from what it copies; the consumption state
   follows the copied journal and is snapshotted as on a master (replica_state.py), so a promotion
   recovers from a recent snapshot, whatever retention removed meanwhile.
-- a cut log drops the consumption snapshot if it covers what was cut; if the log left cannot rebuild
-  the state either (retention removed its start), the directory is wiped: the broker starts again
-  as a new replica and copies the master's state.
+- a cut log drops the consumption snapshots that cover what was cut and goes on from the newest
+  one left (the last few are kept, snapshot.py); with none left, if the log left cannot rebuild the
+  state either (retention removed its start), the directory is wiped: the broker starts again as a
+  new replica and copies the master's state.
 - a replica whose log the master's retention removed (new, wiped, away too long) copies the
   master's consumption state instead (state_copy.py), then fetches the retained log from its start.
 """
@@ -22,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from qmq.broker import metrics, snapshot, state_copy
+from qmq.broker import metrics, recovery, snapshot, state_copy
 from qmq.broker.replica_state import ReplicaState
 from qmq.broker.service import STATE_DIR, BrokerService
 from qmq.protocol.codes import RequestCode
@@ -77,19 +78,27 @@ class BrokerDuty:
         return await asyncio.to_thread(self._cut_state, data_dir, offset)
 
     def _cut_state(self, data_dir: Path, offset: int) -> bool:
-        """After the log was cut at `offset`: the consumption snapshot is kept if it covers no journal
-        record that was cut; otherwise it goes, and the state is replayed from the journal, if the log
-        still begins at 0. If it does not (retention, or a copy of a master's state), the journal left
-        cannot rebuild it: the directory is wiped (True), so the broker starts again as a new replica,
-        which copies the master's state. Blocking."""
+        """After the log was cut at `offset`: the consumption snapshots covering a journal record that
+        was cut go, and the state goes on from the newest one left whose journal after it is still in
+        the log (snapshot.keep_within: the last few are kept for this). Without one, it is replayed
+        from the journal if the log still begins at 0. If it does not (retention, or a copy of a
+        master's state), the journal left cannot rebuild it: the directory is wiped (True), so the
+        broker starts again as a new replica, which copies the master's state. Blocking."""
         state_dir = data_dir / STATE_DIR
-        try:
-            saved = snapshot.load(state_dir)
-        except snapshot.SnapshotError:
-            saved = None
+        newest = _newest_seq(state_dir)
         with LogStore(data_dir, self.store_config) as store:  # the derived files rebuilt for the cut log
             journal_end, log_start = store.next_seq(ACTION_SUBJECT), store.start_offset
-        if saved is not None and int(saved.get("journal_seq", 0)) <= journal_end:
+            kept = snapshot.keep_within(state_dir, journal_end, lambda seq: recovery.journal_retained(store, seq))
+        if kept is not None:
+            if newest is not None and kept.journal_seq < newest:
+                log.warning(
+                    "the consumption snapshot covers journal records cut at %d: going on from the one before it "
+                    "of journal sequence %d (log end %s), the journal after it replayed from the log (%d..)",
+                    offset,
+                    kept.journal_seq,
+                    kept.log_end,
+                    log_start,
+                )
             return False  # it covers only what is left
         shutil.rmtree(state_dir, ignore_errors=True)
         if log_start == 0:
@@ -164,3 +173,9 @@ class BrokerDuty:
 
     def install_snapshot(self, data_dir: Path, copy: state_copy.StateCopy) -> None:
         state_copy.install(data_dir, self.store_config, copy)
+
+
+def _newest_seq(state_dir: Path) -> int | None:
+    """The journal sequence of the newest consumption snapshot that checks out, if any."""
+    found, _problems = snapshot.generations(state_dir)
+    return found[0].journal_seq if found else None

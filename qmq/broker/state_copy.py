@@ -196,7 +196,7 @@ def install(data_dir: Path, config: StoreConfig, copy: StateCopy) -> None:
         install_marker.start_log_at(data_dir, copy.log_start)
         _write_floors(data_dir, config, copy)
         crash_point("snapshot-install")  # tests: the log begun, the state not yet in place
-        snapshot.save(data_dir / STATE_DIR, copy.state)
+        snapshot.save(data_dir / STATE_DIR, copy.state, log_end=copy.offset)
         ep.save(data_dir, copy.epochs)
     log.warning(
         "installed a copy of the master's consumption state (journal sequence %d, %d bytes, %d subjects carried "

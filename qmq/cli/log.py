@@ -58,16 +58,17 @@ def verify_cmd(data_dir: str) -> None:
 
 
 def _verify_snapshot(data_dir: Path, report: VerifyReport) -> None:
-    """A broker's consumption snapshot: its CRC (a broker discards a bad one and replays its journal)."""
-    directory = data_dir / STATE_DIR
-    if not (directory / snapshot.FILE_NAME).exists():
-        return
-    try:
-        snapshot.load(directory)
-    except snapshot.SnapshotError as exc:
-        report.problems.append(str(exc))
-        return
-    report.checked_files += 1
+    """A broker's consumption snapshots (the newest and the older ones kept): their CRCs (a broker
+    passes over a bad one for an older one, or replays its journal)."""
+    for path in snapshot.files(data_dir / STATE_DIR):
+        try:
+            snapshot.read(path)
+        except snapshot.SnapshotError as exc:
+            report.problems.append(str(exc))
+            continue
+        except FileNotFoundError:  # a live broker rotated it meanwhile
+            continue
+        report.checked_files += 1
 
 
 @log.command("repair")

@@ -1,0 +1,114 @@
+"""A deposed master rejoins its group without wiping its data directory, although retention removed its
+log's start and its newest consumption snapshot covers journal records that the new master never had
+(docs/replication.md: "Consumption state on broker replicas"), with real processes, real sockets,
+SIGSTOP/SIGCONT and a SIGKILL.
+
+Before the broker kept its last few snapshots (qmq/broker/snapshot.py), such a master dropped its one
+snapshot at the cut, could not replay the journal from the start of a log retention had cut short,
+and so wiped its directory, copied the new master's state and fetched its whole retained log again
+(up to 72 h of log in production). It now goes on from the snapshot before, replaying the journal
+after it, and ends with the new master's consumer groups.
+
+The members' logs roll every 1 MiB and are kept 3.6 s (`--log-retention 0.001`); the meta server
+fails over after 2 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from qmq.broker import snapshot
+from qmq.broker.service import STATE_DIR
+from tests.support.broker import Broker, RawConsumer
+from tests.support.replication import meta_in_sync, replication, wait_for, wait_in_sync, wait_role
+from tests.test_broker_copy_corners import groups, lose, start_member, verify_store
+from tests.test_broker_replica_state import SUBJECT, expire, holds_log_of, moved_to, segments, send_all
+
+LAG = "30s"  # b stays in sync (so promotable) while it is frozen
+
+
+def snapshots(broker: Broker) -> list[snapshot.Generation]:
+    """The broker's kept consumption snapshots, newest first (read beside the live process)."""
+    return snapshot.generations(broker.data_dir / STATE_DIR)[0]
+
+
+def saved_up_to_its_log_end(broker: Broker) -> bool:
+    """The broker's newest snapshot covers its whole journal (so nothing more is saved until the
+    journal moves: no snapshot after SIGCONT shifts the older ones out)."""
+    found, stats = snapshots(broker), replication(broker)
+    return bool(found and stats and found[0].log_end == stats["log_end"])
+
+
+def text(broker: Broker) -> str:
+    return broker.proc.log_path.read_text(errors="replace")
+
+
+def test_a_deposed_master_goes_back_to_an_older_snapshot_and_rejoins_without_a_wipe(processes, tmp_path, meta):
+    a = start_member(processes, tmp_path / "a", meta, "a", "--max-lag", LAG, "--ack-replicas", "1")
+    wait_role(a, "master")
+    b = start_member(processes, tmp_path / "b", meta, "b", "--max-lag", LAG, "--ack-replicas", "1")
+    wait_role(b, "replica")
+    wait_in_sync(a, b)
+    meta_in_sync(meta, "g1", b)
+
+    x = RawConsumer(a.connect(), SUBJECT, "x", "x-1", {"start": "earliest"})
+    send_all(a, SUBJECT, [f"old-{i}" for i in range(20)])
+    assert len(x.drain(20)) == 20
+    expire([a, b], 0, "push")  # retention removed both logs' start: a lost snapshot would mean a wipe
+    retained = [f"retained-{i}" for i in range(60)]
+    send_all(a, SUBJECT, retained)
+    assert [d.id for d in x.drain(10, max_count=10)] == retained[:10]  # progress both members hold
+
+    # A snapshot on a of exactly what b holds, and no journal after it.
+    wait_for(lambda: holds_log_of(b, a) and saved_up_to_its_log_end(a), "a's snapshot of the log b holds")
+    b_end = replication(a)["log_end"]
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        # Journal records on a alone (but the first, which may go out in the reply to a fetch b had in
+        # flight): x reads on, a group is created; then a snapshot of them, taken after the divergence.
+        assert [d.id for d in x.drain(10, max_count=5)] == retained[10:20]
+        only_a = RawConsumer(a.connect(), SUBJECT, "only-a", "only-a-1", {"start": "earliest"})
+        assert len(only_a.drain(5, max_count=5)) == 5
+        only_a.conn.close()
+
+        def diverged() -> bool:
+            found = snapshots(a)
+            return saved_up_to_its_log_end(a) and any(g.log_end is not None and g.log_end <= b_end for g in found[1:])
+
+        wait_for(diverged, "a's snapshot of its own journal, with one of b's log kept before it")
+        a_end = replication(a)["log_end"]
+        assert a_end > b_end
+        os.killpg(a.proc.pid, signal.SIGSTOP)  # frozen: the meta server promotes b
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    try:
+        wait_role(b, "master", timeout=30, epoch=2)
+        log_start = segments(a)[0]
+        assert log_start > 0
+    finally:
+        os.killpg(a.proc.pid, signal.SIGCONT)
+
+    wait_role(a, "replica", timeout=30, epoch=2)  # a learnt of b, cut its log to b's, went back a snapshot
+    wait_for(lambda: holds_log_of(a, b), "a to hold b's log")
+    a_text = text(a)
+    assert "going on from the one before it" in a_text, a_text
+    assert "data directory is wiped" not in a_text and "installed a copy" not in a_text  # no re-copy
+    assert "copies this master's consumption state" not in text(b)
+    assert segments(a)[0] == log_start, "a's log was fetched again"
+    wait_in_sync(b, a)
+    meta_in_sync(meta, "g1", a)
+
+    after = [f"after-{i}" for i in range(20)]
+    send_all(b, SUBJECT, after)  # acknowledged by b and a
+    wait_for(lambda: holds_log_of(a, b), "a to hold b's log")
+    expected = groups(b)
+    assert (SUBJECT, "x") in expected and (SUBJECT, "only-a") not in expected  # only-a was on a alone
+
+    lose(processes, b, a, epoch=3)
+    assert groups(a) == expected, "the deposed master's consumer groups are not the new master's"
+    x = moved_to(x, a)
+    ids = [d.id for d in x.drain(200)]
+    assert ids[-len(after) :] == after and set(ids) <= set(retained[10:] + after)  # from x's position on b
+    x.conn.close()
+    verify_store(processes, a)
