@@ -102,7 +102,13 @@ class Cluster:
         await self._wait(port, lambda stats: stats.get("role") == role, f"role {role}")
 
     async def wait_writable(self, port: int) -> None:
-        await self._wait(port, lambda stats: bool(stats.get("writable")), "writable")
+        """Until sends are taken and, in a group, acknowledged (the meta server holds a replica as in sync)."""
+
+        def ready(stats: dict) -> bool:
+            replicas = stats.get("replicas") or []
+            return bool(stats.get("writable")) and (not replicas or any(r.get("acknowledges") for r in replicas))
+
+        await self._wait(port, ready, "writable")
 
     async def _wait(self, port: int, ready, what: str, timeout_s: float = 60.0) -> None:
         """Until the broker on `port` reports `ready`; RuntimeError when it exited (another process

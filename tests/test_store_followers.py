@@ -128,6 +128,7 @@ def test_only_replicas_the_meta_server_heard_were_in_sync_acknowledge(tmp_path) 
             await followers.fetch(fetch_body(end, replica="r:2"))  # r:2 has it durable
             await asyncio.sleep(0)
             assert not acked.done()  # r:2 is not among those the meta server would promote
+            assert {r["address"]: r["acknowledges"] for r in followers.stats()} == {"r:1": True, "r:2": False}
             heard.add("r:2")
             followers.settle()
             await asyncio.wait_for(acked, 1)

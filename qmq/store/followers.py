@@ -314,10 +314,13 @@ class Followers:
         now = time.monotonic()
         end = self.store.end_offset
         in_sync = set(self.in_sync(now))
+        counted = None if self.counted is None else self.counted()
         return [
             {
                 "address": r.address,
                 "in_sync": r.address in in_sync,
+                # its durable offset acknowledges sends (the meta server holds it as in sync)
+                "acknowledges": counted is None or r.address in counted,
                 "offset": r.offset,
                 "lag_bytes": r.lag_bytes(end),
                 "lag_s": round(r.lag_s(end, now), 3),
