@@ -102,11 +102,12 @@ class Cluster:
         await self._wait(port, lambda stats: stats.get("role") == role, f"role {role}")
 
     async def wait_writable(self, port: int) -> None:
-        """Until sends are taken and, in a group, acknowledged (the meta server holds a replica as in sync)."""
+        """Until sends are taken and, in a group, acknowledged (the meta server holds a replica as in
+        sync; brokers from before that rule say nothing of it)."""
 
         def ready(stats: dict) -> bool:
             replicas = stats.get("replicas") or []
-            return bool(stats.get("writable")) and (not replicas or any(r.get("acknowledges") for r in replicas))
+            return bool(stats.get("writable")) and (not replicas or any(r.get("acknowledges", True) for r in replicas))
 
         await self._wait(port, ready, "writable")
 
