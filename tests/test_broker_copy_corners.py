@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -32,6 +30,7 @@ from qmq.replication.install import INSTALLING
 from qmq.store.segment import list_segments
 from tests.support.broker import Broker, RawConsumer, restart_broker, start_broker
 from tests.support.replication import meta_in_sync, replication, wait_for, wait_in_sync, wait_role
+from tests.support.stores import assert_log_verifies
 from tests.test_broker_replica_state import (
     LOG_RETENTION_H,
     NOISE,
@@ -81,13 +80,7 @@ def died_by_its_crash_point(broker: Broker) -> None:
 
 def verify_store(processes, broker: Broker) -> None:
     processes.kill(broker.proc, signal.SIGTERM)
-    verified = subprocess.run(
-        [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(broker.data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert_log_verifies(broker.data_dir)
 
 
 class Consumers:

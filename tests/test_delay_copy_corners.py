@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 from delay_server.schedule_log import CHECKPOINT_FILE
@@ -22,6 +20,7 @@ from qmq.replication.crash_points import CRASH_AT_ENV
 from tests.support.broker import start_broker
 from tests.support.delay import dispatched_ids
 from tests.support.replication import meta_in_sync, start_delay_member, wait_for, wait_in_sync, wait_role
+from tests.support.stores import assert_log_verifies
 from tests.test_delay_replica_catch_up import (
     BODY,
     LOG_RETENTION_H,
@@ -85,13 +84,7 @@ def test_the_master_killed_during_a_schedule_copy_the_replica_copies_again_from_
     wait_role(c, "master", timeout=30, epoch=3)
     workload.check_fired_by(c, clock_file)
     processes.kill(c.proc, signal.SIGTERM)
-    verified = subprocess.run(
-        [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(c.data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert_log_verifies(c.data_dir)
 
 
 def test_the_master_killed_right_after_a_schedule_copy_only_it_held_the_copier_copies_the_new_masters(

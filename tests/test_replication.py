@@ -7,8 +7,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -30,6 +28,7 @@ from tests.support.replication import (
     wait_in_sync,
     wait_role,
 )
+from tests.support.stores import assert_log_verifies
 
 # The full size is 50,000: QMQ_REPL_MESSAGES=50000 .venv/bin/python -m pytest tests/test_replication.py
 MESSAGES = int(os.environ.get("QMQ_REPL_MESSAGES", "5000"))
@@ -180,13 +179,7 @@ def test_a_frozen_master_is_deposed_acknowledges_nothing_more_and_rejoins_as_rep
     for broker in (a, b):
         processes.kill(broker.proc, signal.SIGTERM)
     for broker in (a, b):
-        verified = subprocess.run(
-            [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(broker.data_dir)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert verified.returncode == 0, verified.stdout + verified.stderr
+        assert_log_verifies(broker.data_dir)
     log_a, log_b = log_bytes(a.data_dir), log_bytes(b.data_dir)
     shared = min(len(log_a), len(log_b))
     assert shared > 0 and log_a[:shared] == log_b[:shared]

@@ -17,3 +17,17 @@ def payload_for(message_id: str) -> bytes:
 
     digest = hashlib.sha256(message_id.encode()).digest()
     return (digest * (1 + digest[0] % 40))[: 16 + digest[1] * 4]
+
+
+def assert_log_verifies(data_dir) -> None:
+    """`qmq log verify` of a (stopped) server's data directory finds nothing wrong."""
+    import subprocess
+    import sys
+
+    verified = subprocess.run(
+        [sys.executable, "-m", "qmq", "log", "verify", "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
