@@ -389,14 +389,15 @@ class Scheduler:
         return [path for lb in self.loaded.values() for path in lb.dispatch.take_dirty()]
 
     def pending_by_bucket(self) -> dict[str, int]:
-        """Messages not yet delivered per bucket: exact for loaded buckets; for the others, the
-        messages scheduled in them (cancelled ones included)."""
+        """Messages not yet delivered per bucket: exact for loaded buckets; for the others, and for
+        one still loading (its count is not known until it is read), the messages scheduled in them
+        (cancelled ones included)."""
         out = {}
         for start in sorted(self.schedule.starts):
             if start in self.done:
                 continue
             lb = self.loaded.get(start)
-            if lb is not None:
+            if lb is not None and not lb.loading:
                 out[lb.name] = lb.pending
             else:
                 name = bucket_name(start)
