@@ -15,31 +15,39 @@ import time
 import uuid
 
 _COUNTER_BITS = 12  # rand_a, used as a counter within one millisecond
+_VARIANT = 0b10 << 62  # RFC 9562's variant bits, above rand_b
 _lock = threading.Lock()
 _last_ms = 0
 _counter = 0
+_prefix = ""  # the id's text up to its counter for _last_ms: "tttttttt-tttt-7"
 # Random bits from a generator seeded by the OS (and re-seeded in a forked child, so parent and child
 # never share a sequence): an os.urandom() call per id costs more than the rest of making it.
 _random = random.Random(os.urandom(16))
 os.register_at_fork(after_in_child=lambda: _random.seed(os.urandom(16)))
 
 
+def _time_prefix(ms: int) -> str:
+    t = f"{ms:012x}"
+    return f"{t[:8]}-{t[8:]}-7"
+
+
 def new_id() -> str:
-    """A new UUIDv7 as its canonical 36-character string."""
-    global _last_ms, _counter
+    """A new UUIDv7 as its canonical 36-character string. (Made for every message sent: the text
+    of the millisecond is kept, not formatted again for each id of it.)"""
+    global _last_ms, _counter, _prefix
     with _lock:
         ms = time.time_ns() // 1_000_000
         if ms > _last_ms:
-            _last_ms, _counter = ms, _random.getrandbits(11)  # leave room to count up
+            _last_ms, _counter, _prefix = ms, _random.getrandbits(11), _time_prefix(ms)  # room to count up
         else:
             _counter += 1
             if _counter >> _COUNTER_BITS:  # 4096 ids in one millisecond: borrow the next one
                 _last_ms, _counter = _last_ms + 1, 0
-            ms = _last_ms
-        counter = _counter
+                _prefix = _time_prefix(_last_ms)
+        prefix, counter = _prefix, _counter
         rand_b = _random.getrandbits(62)
-    h = "%032x" % ((ms << 80) | (0x7 << 76) | (counter << 64) | (0b10 << 62) | rand_b)
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    tail = "%016x" % (_VARIANT | rand_b)
+    return f"{prefix}{counter:03x}-{tail[:4]}-{tail[4:]}"
 
 
 def id_time_ms(message_id: str) -> int | None:

@@ -290,6 +290,31 @@ def test_async_client_round_trip_nack_and_failover(processes, brokers) -> None:
     asyncio.run(main())
 
 
+def test_async_prefetch_reaches_the_broker_while_the_application_works(processes, tmp_path) -> None:
+    """With `prefetch=True` the next pull is at the broker when `pull()` returns, not when the
+    application next awaits: the broker hands out the second batch while this thread never yields."""
+    broker = start_broker(processes, tmp_path / "broker")
+
+    def in_flight() -> int:
+        with broker.connect() as conn:
+            groups = conn.request(RequestCode.BROKER_STATS, {})["groups"]
+        return sum(g["in_flight"] for g in groups if (g["subject"], g["group"]) == ("ahead", "g"))
+
+    async def main() -> None:
+        async with AsyncClient(brokers=[broker.address]) as client:
+            subscription = await client.subscribe("ahead", "g", prefetch=True)  # its registration: nothing yet
+            with Client(brokers=[broker.address]) as sender:
+                assert all(r.ok for r in sender.send([OutgoingMessage("ahead", {"n": i}) for i in range(30)]))
+            first = await subscription.pull(max=10, wait_s=DRAIN_TIMEOUT_S)
+            assert len(first) == 10
+            wait_until(lambda: in_flight() == 20, "the pull ahead handed out the next 10", timeout_s=10.0)
+            second = await subscription.pull(max=10, wait_s=DRAIN_TIMEOUT_S)
+            assert [d.body["n"] for d in first + second] == list(range(20))
+            await subscription.close()
+
+    asyncio.run(main())
+
+
 # ---- with a meta server ------------------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ by the test: no socket, no thread, no event loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Generator
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from qmq.client.consuming import ACK_TIMEOUT_S, SubscriptionCore, pull_retry_delay_s, update_slots
 from qmq.client.core import ClientCore
-from qmq.client.deliveries import PULL_REPLY_GRACE_S, AckTracker, SubscribeOptions, SubscriptionState
+from qmq.client.deliveries import PULL_REPLY_GRACE_S, AckTracker, Delivery, SubscribeOptions, SubscriptionState
 from qmq.client.errors import ClientError, ConnectFailed, InvalidMessage, MetaUnreachable
 from qmq.client.messages import OutgoingMessage, SendError, check_message
 from qmq.client.routes import META_TIMEOUT_S, RouteBook, RouteCache, parse_address, parse_route, static_route
@@ -844,6 +845,19 @@ def test_prefetch_puts_the_next_pull_in_flight_before_handing_out_a_reply() -> N
     without = subscribed(A)
     assert [d.id for d in pull_now(without, ["m1"])] == ["m1"]
     assert not any(s.pending for s in without._slots.values())  # no prefetch: nothing in flight
+
+
+def test_a_delivery_is_made_with_every_field_of_the_dataclass() -> None:
+    """Deliveries are made without the dataclass's __init__ (deliveries.py, `_new_delivery`): each
+    must still have exactly its fields, compare and copy like one made by the constructor."""
+    state = SubscriptionState(SubscribeOptions("order.created", "billing", "c1"))
+    [delivery] = state.accept(A, {"batches": [batch("order.created", 0, ["m1"])]})
+    assert set(vars(delivery)) == {f.name for f in dataclasses.fields(Delivery)}
+    again = Delivery(**vars(delivery))
+    assert dataclasses.asdict(again) == dataclasses.asdict(delivery)
+    assert dataclasses.replace(delivery, attempt=2).attempt == 2 and not delivery.is_retry
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        delivery.attempt = 3  # type: ignore[misc]
 
 
 def test_a_pull_whose_reply_never_comes_is_given_up_after_its_grace() -> None:

@@ -113,6 +113,28 @@ def test_async_client_requests_errors_and_timeouts(echo) -> None:
     asyncio.run(scenario())
 
 
+def test_async_start_writes_the_request_before_it_returns(echo) -> None:
+    """`start` sends at once, so a request started and not awaited is served while this thread is
+    busy elsewhere (here: a blocking connection's WAIT returns only once the started SIGNAL is in);
+    its outcomes are those of `request`, the timeout included."""
+
+    async def scenario() -> None:
+        conn = await AsyncConnection.open(HOST, echo)
+        started = conn.start(SIGNAL, {"key": "k-start"})
+        with BlockingConnection.open(HOST, echo) as blocking:  # the event loop does not run meanwhile
+            assert blocking.request(WAIT, {"key": "k-start"}, timeout=PROMPT_S) == {"key": "k-start"}
+        assert await started == {"key": "k-start"}
+        late = conn.start(SLEEP, {"ms": 300}, timeout=0.05)
+        with pytest.raises(TimeoutError, match="no reply"):
+            await late
+        assert await conn.request(RequestCode.PING, {"after": 1}) == {"after": 1}
+        await conn.close()
+        with pytest.raises(ConnectionError):
+            conn.start(RequestCode.PING, {})
+
+    asyncio.run(scenario())
+
+
 # -- pipelining -----------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,9 @@
 
 Two rows. The first, the one every peer is compared with, goes through the client library like the
 peers' rows go through theirs: `AsyncClient.send` of 64 messages, 8 calls outstanding;
-`AsyncSubscription.pull(1024)` with an ack per delivery (the client batches acks); latency with
+`AsyncSubscription.pull(1024)` with `prefetch=True` (the next pull in flight while a batch is handled,
+as RabbitMQ's prefetch and a Kafka consumer's fetch keep messages coming) and an ack per delivery
+(the client batches acks); latency with
 `send_one` and a subscription already long-polling. The second speaks the wire protocol directly
 (bench/broker.py's own cases: the same batches on 2 connections x 4, two consumers of the group):
 what the broker can do when the client's per-message work is not in the way.
@@ -76,11 +78,11 @@ def measure_client(options: Options) -> Measurement:
         SYNCED,
         DURABILITY,
         f"qmq.client.AsyncClient, send batches of {BATCH} x {IN_FLIGHT} outstanding; pull "
-        f"{CONSUME_BATCH}, ack each (batched by the client)",
+        f"{CONSUME_BATCH} with prefetch (the next pull in flight meanwhile), ack each (batched by the client)",
     )
     with broker() as port:
         result.produce = asyncio.run(client_produce(port, options.messages, BATCH, options.size, IN_FLIGHT))["rate"]
-        result.consume = asyncio.run(client_consume(port, options.messages, CONSUME_BATCH))["rate"]
+        result.consume = asyncio.run(client_consume(port, options.messages, CONSUME_BATCH, prefetch=True))["rate"]
         result.latency(asyncio.run(client_latency(port, options)))
     return result
 

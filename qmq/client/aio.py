@@ -15,6 +15,7 @@ Use one client from one event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -157,6 +158,10 @@ class AsyncSubscription(SubscriptionCore):
     async def _do(self, step: Step) -> Any:
         if isinstance(step, Start):
             call = step.call
+            conn = self._pool.connected(call.address)
+            if conn is not None:  # written now, not when this loop next waits (the caller may not soon)
+                with contextlib.suppress(ConnectionError):
+                    return conn.start(call.code, call.body, call.timeout_s)
             return asyncio.get_running_loop().create_task(
                 self._pool.request(call.address, call.code, call.body, call.timeout_s)
             )

@@ -23,6 +23,7 @@ from qmq.client.deliveries import (
     DEFAULT_PULL_MAX,
     DEFAULT_PULL_WAIT_S,
     PULL_REPLY_GRACE_S,
+    Arrived,
     Delivery,
     SubscribeOptions,
     SubscriptionState,
@@ -137,6 +138,7 @@ class SubscriptionCore:
         self._lock = threading.Lock()
         self._slots: dict[str, PullSlot] = {}
         self._buffer: deque[Delivery] = deque()
+        self._arrived: list[Arrived] = []  # received, their deliveries not built yet (take_buffered)
         self._last_flush = time.monotonic()
         self._acks_in_flight: list[AcksInFlight] = []
         self._closed = False
@@ -181,16 +183,18 @@ class SubscriptionCore:
             return ready
         yield from self._start_acks()  # about to wait: what is finished goes out now, beside the pull
         yield from self._pull_round(max, wait_s)
-        ready = self.take_buffered(max)
-        if self.options.prefetch:
-            yield from self._prefetch(max, wait_s)
-        return ready
+        if self.options.prefetch:  # before the deliveries are built: the broker works meanwhile
+            yield from self._prefetch(max, wait_s, taking=max)
+        return self.take_buffered(max)
 
     def take_buffered(self, max: int = DEFAULT_PULL_MAX) -> list[Delivery]:
         """Deliveries already received and not yet returned by `pull`, without asking any broker for
         more: for a consumer that stops pulling and wants to finish what it was handed."""
         out: list[Delivery] = []
         with self._lock:
+            if self._arrived:
+                self._buffer.extend(self._state.deliveries(self._arrived))
+                self._arrived = []
             while self._buffer and len(out) < max:
                 delivery = self._buffer.popleft()
                 if self._state.is_current(delivery):  # else its tracker was dropped: it comes again
@@ -379,14 +383,15 @@ class SubscriptionCore:
                     yield WaitAll(due, PULL_REPLY_GRACE_S)
             self._harvest()
             with self._lock:
-                if self._buffer or remaining <= 0 or self._closed:
+                if self._buffer or self._arrived or remaining <= 0 or self._closed:
                     return
 
-    def _prefetch(self, max_count: int, wait_s: float) -> Steps[None]:
+    def _prefetch(self, max_count: int, wait_s: float, taking: int = 0) -> Steps[None]:
         """Put the next pull in flight to every group that has none, while fewer than `max_count`
-        deliveries wait in the buffer (so at most about two pulls' worth is held ahead)."""
+        messages would be left held once this pull hands out `taking` (so at most about two pulls'
+        worth is held ahead)."""
         with self._lock:
-            if self._closed or len(self._buffer) >= max_count:
+            if self._closed or len(self._buffer) + len(self._arrived) - taking >= max_count:
                 return
         yield from self._start_pulls(max_count, wait_s, time.monotonic())
 
@@ -436,7 +441,7 @@ class SubscriptionCore:
             if slot.succeeded():
                 log.info("pulling %s from broker group %s again", self.subject, slot.group.name)
             with self._lock:
-                self._buffer.extend(self._state.accept(slot.address, reply, slot.generation))
+                self._arrived.extend(self._state.receive(slot.address, reply, slot.generation))
         if fatal is not None:
             raise ClientError(f"the broker refused to serve {self.subject!r} to group {self.group!r}: {fatal}")
 

@@ -30,7 +30,17 @@ def now_ms() -> int:
 CHECKED_WIRE = "_checked_wire"
 
 
-@dataclass(frozen=True)
+# A frozen dataclass's generated __init__ sets each field through object.__setattr__; the classes
+# below, made once per message sent, set their instance dict at once instead (`_set_fields`).
+_set_attr = object.__setattr__
+
+
+def _set_fields(instance: object, fields: dict[str, Any]) -> None:
+    """Give a frozen dataclass instance exactly `fields` (every one of its fields, by name)."""
+    _set_attr(instance, "__dict__", fields)
+
+
+@dataclass(frozen=True, init=False)
 class OutgoingMessage:
     """A message to send. `body` is bytes, str or anything JSON can encode (see
     `qmq.protocol.envelope`); `id` is made now when not given, and stays the message's id through
@@ -52,11 +62,38 @@ class OutgoingMessage:
     # broker group that queue belongs to, never elsewhere; the key travels in a header.
     order_key: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.deliver_at is not None:
-            object.__setattr__(self, "deliver_at", deliver_at_ms(self.deliver_at))
-        if self.order_key is not None:
-            check_order_key(self.order_key, self.deliver_at)
+    def __init__(
+        self,
+        subject: str,
+        body: Any,
+        key: str | None = None,
+        tags: Sequence[str] = (),
+        headers: Mapping[str, str] | None = None,
+        id: str | None = None,
+        created_at: int | None = None,
+        content_type: str | None = None,
+        deliver_at: datetime | int | None = None,
+        order_key: str | None = None,
+    ) -> None:
+        if deliver_at is not None:
+            deliver_at = deliver_at_ms(deliver_at)
+        if order_key is not None:
+            check_order_key(order_key, deliver_at)
+        _set_fields(
+            self,
+            {
+                "subject": subject,
+                "body": body,
+                "key": key,
+                "tags": tags,
+                "headers": headers,
+                "id": new_id() if id is None else id,
+                "created_at": now_ms() if created_at is None else created_at,
+                "content_type": content_type,
+                "deliver_at": deliver_at,
+                "order_key": order_key,
+            },
+        )
 
     def to_wire(self, known_subjects: set[str] | None = None) -> dict[str, Any]:
         """`{"id", "subject", "payload", "key", "tags"}` as BROKER_SEND carries the message, its body
@@ -158,7 +195,7 @@ def check_wire(wire: dict[str, Any], known_subjects: set[str] | None = None) -> 
     return wire
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SendResult:
     """What became of one message: stored by `group`, or not (`error_code`, `error`)."""
 
@@ -168,6 +205,27 @@ class SendResult:
     error_code: int | None = None
     error: str | None = None
     group: str | None = None
+
+    def __init__(
+        self,
+        message_id: str,
+        subject: str,
+        ok: bool,
+        error_code: int | None = None,
+        error: str | None = None,
+        group: str | None = None,
+    ) -> None:
+        _set_fields(
+            self,
+            {
+                "message_id": message_id,
+                "subject": subject,
+                "ok": ok,
+                "error_code": error_code,
+                "error": error,
+                "group": group,
+            },
+        )
 
 
 class SendError(ClientError):

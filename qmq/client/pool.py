@@ -137,3 +137,10 @@ class AsyncConnectionPool(_Pool[AsyncConnection]):
         connections, self._connections = list(self._connections.values()), {}
         for conn in connections:
             await conn.close()
+
+    def connected(self, address: str) -> AsyncConnection | None:
+        """The open connection to `address`, or None (none is opened here)."""
+        if self._closed:
+            return None
+        conn = self._connections.get(address)
+        return conn if conn is not None and not conn.closed else None

@@ -75,6 +75,26 @@ class AsyncConnection(Opener[Coroutine[Any, Any, "AsyncConnection"]]):
         request_id, data = self._side.request(code, body, future)
         return await self._exchange(request_id, data, future, timeout) or {}
 
+    def start(self, code: int, body: dict[str, Any] | None = None, timeout: float = REQUEST_TIMEOUT_S) -> _Reply:
+        """Send a request now and return the future of its reply's body (None for an empty one), with
+        the outcomes of `request`. Unlike a task running `request`, the frame is written before this
+        returns: a caller that goes on computing without awaiting (a consumer's pull put in flight
+        ahead, qmq/client/consuming.py) has the server working meanwhile. Raises ConnectionError
+        when the connection is gone."""
+        loop = asyncio.get_running_loop()
+        future: _Reply = loop.create_future()
+        request_id, data = self._side.request(code, body, future)
+        self._out.append(data)
+        self._flush()  # with any frame queued before it, in order
+
+        def expire() -> None:
+            if self._side.abandon(request_id):
+                settle(future, TimeoutError(f"no reply from {self.address} within {timeout:g} s"))
+
+        timer = loop.call_later(timeout, expire)
+        future.add_done_callback(lambda _: (timer.cancel(), self._side.abandon(request_id)))
+        return future
+
     async def send_oneway(self, code: int, body: dict[str, Any] | None = None) -> None:
         """Send a request that gets no reply, not even an error."""
         _, data = self._side.request(code, body, None)

@@ -136,6 +136,9 @@ def validate_message_size(size: int, limits: Limits = DEFAULT_LIMITS) -> None:
         )
 
 
+_new_tuple = tuple.__new__
+
+
 class SentMessage(NamedTuple):
     """One message of a send request (BROKER_SEND, DELAY_SEND), checked."""
 
@@ -187,4 +190,5 @@ def validate_sent_message(item: Any, limits: Limits, known_subjects: set[str]) -
             fatal=False,
         )
     tags = item.get("tags")
-    return SentMessage(subject, message_id, payload, key or None, validate_tags(tags) if tags else ())
+    checked = (subject, message_id, payload, key or None, validate_tags(tags) if tags else ())
+    return _new_tuple(SentMessage, checked)  # SentMessage(...) runs a Python __new__: per message sent

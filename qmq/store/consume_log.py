@@ -26,6 +26,9 @@ class DamagedEntry(ValueError):
     """An entry that is neither a valid entry nor a hole (all zeros): the file must be rebuilt."""
 
 
+_new_tuple = tuple.__new__
+
+
 class Entry(NamedTuple):
     seq: int
     offset: int  # of the record in the message log
@@ -95,7 +98,7 @@ class ConsumeLog:
         out: list[Entry | None] = []
         for i, (magic, _attr, _r, size, offset, mask, ts) in enumerate(ENTRY.iter_unpack(data)):
             if magic == ENTRY_MAGIC:
-                out.append(Entry(seq + i, offset, size, mask, ts))
+                out.append(_new_tuple(Entry, (seq + i, offset, size, mask, ts)))  # Entry(...) costs more
             elif magic == 0 and not any(data[i * ENTRY_SIZE : (i + 1) * ENTRY_SIZE]):
                 out.append(None)
             else:

@@ -46,6 +46,9 @@ class TruncatedRecord(RecordError):
     """The bytes end before the record does: a torn tail, or simply more to read."""
 
 
+_new_tuple = tuple.__new__
+
+
 class Record(NamedTuple):
     offset: int
     size: int
@@ -194,19 +197,8 @@ def decode(buf, pos: int, base_offset: int) -> Record:
     except UnicodeDecodeError as exc:
         raise RecordError(offset, f"text field is not UTF-8 ({exc.reason})") from None
     payload = buf[p:end]
-    return Record(
-        offset,
-        size,
-        attr,
-        flags,
-        ts,
-        seq,
-        subject,
-        message_id,
-        key,
-        tags,
-        payload if type(payload) is bytes else bytes(payload),
-    )
+    fields = (offset, size, attr, flags, ts, seq, subject, message_id, key, tags, bytes(payload))
+    return _new_tuple(Record, fields)  # not Record(...): its __new__ is a Python function, paid per read
 
 
 def _check_prefix(buf, pos: int, offset: int) -> None:

@@ -59,6 +59,7 @@ BACKGROUND_TICK_S = 0.5
 DEFAULT_RETENTION_S = 72 * 3600
 DEFAULT_CLEAN_INTERVAL_S = 60.0
 SEARCH_BATCH = 64  # consume-log entries read at a time when looking for those pointing at an offset
+_BLANK = int(rec.Attr.BLANK)  # compared per record read
 VERIFY_RECENT_SEGMENTS = 3  # the active segment and the two sealed before it are CRC-checked at every open
 
 
@@ -658,7 +659,7 @@ class LogStore:
                 if len(wanted_entries) >= max_count - len(records):
                     break
             for record in self._read_entries(subject, wanted_entries):
-                if record is None or record.is_blank:
+                if record is None or record.attr == _BLANK:
                     continue
                 if tags and not _tags_match(record.tags, tags, match_all):
                     continue
@@ -674,16 +675,16 @@ class LogStore:
         spans = [(e.offset, e.size) for e in entries]
         try:
             found = self.message_log.read_records(spans)
-            wrong = next(
-                (
-                    f"consume log of {subject!r} seq {e.seq} points at {r.subject!r} seq {r.seq} (offset {e.offset})"
-                    for e, r in zip(entries, found, strict=True)
-                    if not r.is_blank and (r.subject != subject or r.seq != e.seq)
-                ),
-                None,
-            )
+            wrong, blanks = None, False  # one pass: this runs for every message pulled
+            for e, r in zip(entries, found, strict=True):
+                if r.attr == _BLANK:
+                    blanks = True
+                elif r.subject != subject or r.seq != e.seq:
+                    where = f"{r.subject!r} seq {r.seq} (offset {e.offset})"
+                    wrong = f"consume log of {subject!r} seq {e.seq} points at {where}"
+                    break
             if wrong is None:
-                if any(r.is_blank for r in found):  # cut out as damaged while open (`lose`)
+                if blanks:  # cut out as damaged while open (`lose`)
                     pairs = zip(entries, found, strict=True)
                     return [self._cut_out_message(subject, e) if r.is_blank else r for e, r in pairs]
                 return list(found)
