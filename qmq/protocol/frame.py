@@ -114,7 +114,7 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 _UNPACK_LIMITS = ("max_str_len", "max_bin_len", "max_array_len", "max_map_len", "max_ext_len")
 
 
-def decode_body(payload: bytes, max_len: int, max_depth: int = MAX_BODY_DEPTH) -> dict[str, Any] | None:
+def decode_body(payload: bytes | memoryview, max_len: int, max_depth: int = MAX_BODY_DEPTH) -> dict[str, Any] | None:
     """Decode a frame body; any failure becomes `ProtocolError(BAD_BODY)`.
 
     Map keys must be strings or bytes (msgpack's strict_map_key), extension types are refused, no
@@ -228,12 +228,13 @@ class FrameDecoder:
         end = LENGTH_BYTES + length
         if len(buffer) < end:
             return None
-        payload = bytes(buffer[LENGTH_BYTES + HEADER_BYTES : end])
-        del buffer[:end]  # consumed even if the body is bad: the decoder is broken by then anyway
-        try:
-            body = decode_body(payload, length, self._limits.max_body_depth)
+        try:  # decoded in place (a reply can be megabytes: no copy of it first), consumed even if bad
+            with memoryview(buffer) as view, view[LENGTH_BYTES + HEADER_BYTES : end] as payload:
+                body = decode_body(payload, length, self._limits.max_body_depth)
         except ProtocolError as exc:
             if exc.fatal:
                 raise
             return Frame(code=code, request_id=request_id, flags=flags, body=None, version=version, error=exc)
+        finally:
+            del buffer[:end]
         return Frame(code=code, request_id=request_id, flags=flags, body=body, version=version)
