@@ -15,6 +15,7 @@ import click
 
 from qmq.cli.options import POSITIVE_SECONDS, brokers_option, meta_option, metrics_port_option, token_option
 from qmq.client.routes import META_ENV
+from qmq.memory import keep_large_buffers
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 FROM_HELP = (
@@ -108,6 +109,7 @@ def worker(app_spec: str, meta: str | None, brokers: tuple[str, ...], log_level:
     from worker.runner import DEFAULT_HOSTNAME, Worker, WorkerOptions
 
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    keep_large_buffers()  # pulls of hundreds of messages (qmq/memory.py); the pool's children inherit it
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
