@@ -17,6 +17,8 @@ from qmq.protocol.limits import validate_sent_message
 from qmq.store.group_commit import GroupCommit
 from qmq.store.store import Message
 
+_new_tuple = tuple.__new__
+
 
 class Sending:
     def __init__(self, core: BrokerCore) -> None:
@@ -43,7 +45,7 @@ class Sending:
             if item.get(ONCE_FIELD) is True and already_stored(self.core.store, m.subject, m.id):
                 repeated += 1
                 continue
-            batch.append(Message(m.subject, m.id, m.payload, m.key, m.tags))
+            batch.append(_new_tuple(Message, (m.subject, m.id, m.payload, m.key, m.tags, 0)))  # Message(...), faster
         if batch:
             appended = await self.group_commit.write(batch)
             await self.core.replicated(appended[-1].end)  # a replicated group: enough replicas have it

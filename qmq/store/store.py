@@ -60,6 +60,7 @@ DEFAULT_RETENTION_S = 72 * 3600
 DEFAULT_CLEAN_INTERVAL_S = 60.0
 SEARCH_BATCH = 64  # consume-log entries read at a time when looking for those pointing at an offset
 _BLANK = int(rec.Attr.BLANK)  # compared per record read
+_new_tuple = tuple.__new__  # a named tuple's own __new__ is a Python function: too slow per message
 VERIFY_RECENT_SEGMENTS = 3  # the active segment and the two sealed before it are CRC-checked at every open
 
 
@@ -309,7 +310,7 @@ class LogStore:
             encoded = []
             results = []
             index_pairs = []
-            encode, pack, key_hash, message = rec.encode, pack_entry, rec.key_hash, rec.Attr.MESSAGE
+            encode, pack, key_hash, message = rec.encode, pack_entry, rec.key_hash, int(rec.Attr.MESSAGE)
             try:
                 for m in messages:
                     subject = m.subject
@@ -340,7 +341,7 @@ class LogStore:
                     )
                     size = len(data)
                     encoded.append(data)
-                    results.append(Appended(position, seq, position + size))
+                    results.append(_new_tuple(Appended, (position, seq, position + size)))  # not Appended(...)
                     run[1].append(pack(position, size, rec.tag_mask(tags) if tags else 0, now))
                     index_pairs.append((key_hash(message_id), position))
                     if key:
