@@ -158,6 +158,11 @@ class ClaimedRow(NamedTuple):
     id: int = 0  # the row's place in outbox order
 
 
+def _claimed_row(values: tuple) -> ClaimedRow:
+    """A fetched row as a `ClaimedRow` (tuple.__new__: `ClaimedRow._make` is Python code, per row)."""
+    return tuple.__new__(ClaimedRow, values)
+
+
 _CLAIMED_COLUMNS = (
     outbox.c.message_id,
     outbox.c.subject,
@@ -257,7 +262,7 @@ def take_due(conn: sa.Connection, limit: int) -> list[ClaimedRow]:
     cursor = conn.connection.dbapi_connection.cursor(binary=True)  # type: ignore[union-attr]
     try:
         cursor.execute(sql[0], sql[1], prepare=True)
-        return list(map(ClaimedRow._make, cursor.fetchall()))
+        return list(map(_claimed_row, cursor.fetchall()))
     finally:
         cursor.close()
 
