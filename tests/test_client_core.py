@@ -848,7 +848,7 @@ def test_prefetch_puts_the_next_pull_in_flight_before_handing_out_a_reply() -> N
 
 
 def test_a_delivery_is_made_with_every_field_of_the_dataclass() -> None:
-    """Deliveries are made without the dataclass's __init__ (deliveries.py, `_new_delivery`): each
+    """Deliveries are made without the dataclass's __init__ (`qmq.client.messages.set_fields`): each
     must still have exactly its fields, compare and copy like one made by the constructor."""
     state = SubscriptionState(SubscribeOptions("order.created", "billing", "c1"))
     [delivery] = state.accept(A, {"batches": [batch("order.created", 0, ["m1"])]})

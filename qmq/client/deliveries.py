@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from qmq.client.errors import InvalidSubscription
+from qmq.client.messages import set_fields
 from qmq.protocol import envelope
 from qmq.protocol.errors import ErrorCode, ProtocolError
 from qmq.protocol.limits import (
@@ -389,7 +390,9 @@ class SubscriptionState:
         env = envelope.decode(payload)  # headers: a dict of its own for each delivery
         message_id, subject = str(message["id"]), str(message.get("subject") or self.options.subject)
         tags, attempt = tuple(message.get("tags") or ()), int(message.get("attempt") or 1)
-        return _new_delivery(
+        delivery = object.__new__(Delivery)  # one per message received: no per-field __setattr__
+        set_fields(
+            delivery,
             {
                 "id": message_id,
                 "subject": subject,
@@ -408,17 +411,9 @@ class SubscriptionState:
                 "consumer": consumer,
                 "pull_seq": pull_seq,
                 "epoch": tracker.epoch,
-            }
+            },
         )
-
-
-def _new_delivery(fields: dict[str, Any]) -> Delivery:
-    """A `Delivery` with exactly these fields (every one of them, by name), made without the frozen
-    dataclass's `__init__`, which sets each field through `object.__setattr__`: one of these is made
-    per message received, and this costs a third of it."""
-    delivery = object.__new__(Delivery)
-    object.__setattr__(delivery, "__dict__", fields)
-    return delivery
+        return delivery
 
 
 def _key(delivery: Delivery) -> TrackerKey:

@@ -31,11 +31,11 @@ CHECKED_WIRE = "_checked_wire"
 
 
 # A frozen dataclass's generated __init__ sets each field through object.__setattr__; the classes
-# below, made once per message sent, set their instance dict at once instead (`_set_fields`).
+# made once per message (these below, and `Delivery`) set their instance dict at once (`set_fields`).
 _set_attr = object.__setattr__
 
 
-def _set_fields(instance: object, fields: dict[str, Any]) -> None:
+def set_fields(instance: object, fields: dict[str, Any]) -> None:
     """Give a frozen dataclass instance exactly `fields` (every one of its fields, by name)."""
     _set_attr(instance, "__dict__", fields)
 
@@ -79,7 +79,7 @@ class OutgoingMessage:
             deliver_at = deliver_at_ms(deliver_at)
         if order_key is not None:
             check_order_key(order_key, deliver_at)
-        _set_fields(
+        set_fields(
             self,
             {
                 "subject": subject,
@@ -215,7 +215,7 @@ class SendResult:
         error: str | None = None,
         group: str | None = None,
     ) -> None:
-        _set_fields(
+        set_fields(
             self,
             {
                 "message_id": message_id,
