@@ -27,6 +27,7 @@ def test_an_ordered_subjects_queues_are_the_subject_for_producing():
         (RequestCode.BROKER_ACK, {"acks": [["%RETRY%order.events#5%ledger", "ledger", "c", 3]]}),
         (RequestCode.BROKER_NACK, {"nacks": [{"subject": "order.events#5", "group": "ledger"}]}),
         (RequestCode.BROKER_HEARTBEAT, {"consumers": [["order.events", "ledger", "c"]]}),
+        (RequestCode.BROKER_LEAVE, {"leaves": [["%RETRY%order.events%ledger", "ledger", "c", 3]]}),
     ],
 )
 def test_consuming_requests_are_allowed_for_the_granted_pair(code, body):

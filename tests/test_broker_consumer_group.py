@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from qmq.broker.consumer_group import ConsumerGroup, Pull, Reset, UnknownConsumer
+from qmq.broker.consumer_group import ConsumerGroup, Pull, Release, Reset, UnknownConsumer
 
 
 def reader_over(end, keep=lambda seq: True):
@@ -60,6 +60,25 @@ def test_a_silent_consumer_releases_its_unacked_messages():
     group.apply(released[0][0])
     assert group.consumers["a"].pull_log.unacked == 0
     assert group.in_flight() == 10
+
+
+def test_a_consumer_that_leaves_gives_back_what_it_holds_split_at_what_its_application_saw():
+    group = ConsumerGroup("s", "g")
+    read = reader_over(100, keep=lambda seq: seq % 2 == 0)
+    group.pull("a", -1, 10, read, now=0)  # pull seqs 0-9: consume-log seqs 0, 2, ..., 18
+    group.ack("a", 1, now=0)
+    release, handed, unseen = group.leaving("a", seen=5)
+    assert release == Release("a", 9)
+    assert handed == [4, 6, 8, 10] and unseen == [12, 14, 16, 18]
+    assert group.leaving("a", seen=-1)[1:] == ([], list(range(4, 20, 2)))  # the application saw none
+    assert group.leaving("a", seen=0)[1:] == ([], list(range(4, 20, 2)))  # nor any unacked one
+    assert group.leaving("a", seen=40)[1:] == (list(range(4, 20, 2)), [])  # more than it holds: all seen
+    group.apply(release)
+    assert group.leaving("a", seen=9) is None  # holds nothing now
+    assert group.leaving("nobody", seen=0) is None
+    broadcast = ConsumerGroup("s", "b#a", broadcast=True)
+    broadcast.pull("a", -1, 5, read, now=0)
+    assert broadcast.leaving("a", seen=0) is None  # its position is its own: nothing to give to others
 
 
 def test_filters_move_the_cursor_and_unknown_consumers_are_refused():

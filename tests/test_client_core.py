@@ -192,6 +192,18 @@ def test_pull_request_names_what_was_received(state: SubscriptionState) -> None:
     assert state.pull_request(A, 10, 99)["wait_ms"] == 30_000
 
 
+def test_leave_requests_name_what_the_application_was_handed(state: SubscriptionState) -> None:
+    retry = "%RETRY%order.created%billing"
+    state.accept(A, {"batches": [batch(retry, 0, ["r1"]), batch("order.created", 7, ["m1", "m2", "m3"])]})
+    state.accept(B, {"batches": [batch("order.created", 0, ["n1"])]})
+    not_handed = [((A, "order.created", "billing", "c1"), 9), ((A, "order.created", "billing", "c1"), 8)]
+    assert state.leave_requests(not_handed) == {
+        A: {"leaves": [[retry, "billing", "c1", 0], ["order.created", "billing", "c1", 7]]},
+        B: {"leaves": [["order.created", "billing", "c1", 0]]},
+    }
+    assert state.leave_requests([])[A]["leaves"][1] == ["order.created", "billing", "c1", 9]  # all handed
+
+
 def test_accept_decodes_deliveries(state: SubscriptionState) -> None:
     reply = {
         "batches": [

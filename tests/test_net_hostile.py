@@ -241,6 +241,8 @@ def test_pull_fields_of_the_wrong_type_or_range_are_bad_requests(broker, body, c
         (RequestCode.BROKER_ACK, {"acks": "x"}),
         (RequestCode.BROKER_NACK, {"nacks": [{"subject": [], "group": {}, "consumer": "c", "pull_seq": 1}]}),
         (RequestCode.BROKER_HEARTBEAT, {"consumers": [["a", "g", "c"]], "worker": "x"}),
+        (RequestCode.BROKER_LEAVE, {"leaves": [[nested(10), "g", "c", 1]]}),
+        (RequestCode.BROKER_LEAVE, {"leaves": [["a", "g", "c", True]]}),
         (RequestCode.BROKER_SEND, {"messages": [1, "x", None]}),
         (RequestCode.BROKER_SEND, {"messages": {"a": 1}}),
         (RequestCode.BROKER_RESET, {"subject": "a", "group": "g", "to": [1]}),

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from qmq.broker import snapshot
 from qmq.broker.core import BrokerCore
-from qmq.broker.journal import Fired, GroupAction
-from qmq.broker.system_subjects import dead_subject, retry_subject, unwrap, user_subject, wrap
+from qmq.broker.give_back import give_back
+from qmq.broker.journal import Fired
+from qmq.broker.system_subjects import unwrap, user_subject, wrap
 from qmq.protocol.ordering import split_queue_subject
 from qmq.store.store import StoreError
 
@@ -141,24 +142,14 @@ class BackgroundWork:
             if split_queue_subject(user_subject(group.subject)) is not None:
                 continue  # an ordered queue: its lease moves it (qmq/broker/queue_lease.py), in order
             for release, seqs in group.silent(core.clock(), core.consumer_timeout_s):
-                messages = []
-                for record in core.store.records(group.subject, seqs):
-                    original = unwrap(record)
-                    attempt = original.attempt + 1
-                    reason = f"consumer {release.consumer} went silent"
-                    to = (dead_subject if attempt > core.max_attempts else retry_subject)(original.subject, group.group)
-                    messages.append(wrap(record, to, attempt, reason))
-                if messages:
-                    core.store.append(messages)
-                core.apply_and_commit([GroupAction(group.subject, group.group, release)])
+                count, _ = give_back(core, group, release, seqs, [], "silent")
                 log.warning(
                     "consumer %s of group %s on %s silent for %g s: %d unacked messages go back to the group",
                     release.consumer,
                     group.group,
                     group.subject,
                     core.consumer_timeout_s,
-                    len(messages),
+                    count,
                 )
-                core.wake({user_subject(group.subject)})
-                moved += len(messages)
+                moved += count
         return moved

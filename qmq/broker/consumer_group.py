@@ -163,6 +163,21 @@ class ConsumerGroup:
                 out.append((Release(consumer_id, log.pull_seq - 1), log.pending()))
         return out
 
+    def leaving(self, consumer_id: str, seen: int) -> tuple[Release, list[int], list[int]] | None:
+        """A consumer that closes gives back what it holds unacknowledged: the release to journal, the
+        consume-log sequences its application was handed (pull sequences up to `seen`) and those it
+        never saw (fetched ahead). None when it holds nothing, or in a broadcast group. Not applied,
+        as in `silent`."""
+        consumer = self.consumers.get(consumer_id)
+        if self.broadcast or consumer is None or not consumer.pull_log.unacked:
+            return None
+        log = consumer.pull_log
+        last = log.pull_seq - 1
+        split = min(max(seen, log.ack_seq - 1), last)  # the last pull sequence the application saw
+        handed = log.lookup(log.ack_seq, split) if split >= log.ack_seq else []
+        unseen = log.lookup(split + 1, last) if split < last else []
+        return Release(consumer_id, last), handed, unseen
+
     def backlog(self, end_seq: int) -> int:
         """Messages not yet handed to any consumer."""
         return max(0, end_seq - self.cursor)

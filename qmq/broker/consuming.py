@@ -1,4 +1,5 @@
-"""Consumer requests: BROKER_PULL (long polling), BROKER_ACK, BROKER_NACK and BROKER_HEARTBEAT.
+"""Consumer requests: BROKER_PULL (long polling), BROKER_ACK, BROKER_NACK, BROKER_LEAVE and
+BROKER_HEARTBEAT.
 
 A pull hands a consumer its group's next messages, due retries first, journals the pull and replies
 once that is durable; it waits (up to `wait_ms`) for new messages when there are none. Acks move the
@@ -19,10 +20,11 @@ from typing import Any
 
 from qmq.broker.consumer_group import ConsumerGroup, UnknownConsumer
 from qmq.broker.core import BrokerCore
+from qmq.broker.give_back import give_back
 from qmq.broker.journal import Create, Entry, GroupAction, Schedule
 from qmq.broker.ordered import not_held, ordered_queues, stored_subjects
 from qmq.broker.queue_lease import KeyStopped
-from qmq.broker.system_subjects import dead_subject, delivery, retry_subject, unwrap, wrap
+from qmq.broker.system_subjects import dead_subject, delivery, retry_subject, unwrap, user_subject, wrap
 from qmq.protocol.errors import ErrorCode, ProtocolError
 from qmq.protocol.fields import bad, choice_field, field, int_field
 from qmq.protocol.limits import (
@@ -34,6 +36,7 @@ from qmq.protocol.limits import (
     validate_subject,
     validate_tags,
 )
+from qmq.protocol.ordering import split_queue_subject
 from qmq.store import record as rec
 from qmq.store.store import Message, StoreError
 
@@ -44,6 +47,7 @@ DEFAULT_WAIT_MS = 2500  # long polling
 MAX_NACK_DELAY_MS = 10 * 365 * 86400 * 1000
 MAX_NACK_ATTEMPTS = 1_000_000
 MAX_REASON_LEN = 1000  # characters of a nack's reason kept
+LEFT_KEPT_S = MAX_PULL_WAIT_MS / 1000 + 1.0  # a consumer's leave outlives any pull it had waiting
 
 
 def broadcast_key(group: str, consumer: str) -> str:
@@ -102,14 +106,20 @@ class Consuming:
     def __init__(self, core: BrokerCore) -> None:
         self.core = core
         self.dead_lettered: set[tuple[str, str, int]] = set()  # unreadable messages sent to dead letters
+        # consumer id -> loop time of its BROKER_LEAVE: a pull of it waiting since before then hands
+        # out nothing more (its reply would go nowhere). Kept for one pull's longest wait.
+        self.left_at: dict[str, float] = {}
 
     # ---- pull -----------------------------------------------------------------------------------
 
     async def pull(self, body: dict[str, Any]) -> dict[str, Any]:
         pull = PullRequest.of(body, self.core.limits)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + pull.wait_ms / 1000
+        started = loop.time()
+        deadline = started + pull.wait_ms / 1000
         while True:
+            if self.left_at and self.left_at.get(pull.consumer, -1.0) >= started:
+                return {"batches": []}  # the consumer left while this pull waited
             batches, end = self._take(pull)
             if end is not None:
                 await self.core.store.durable(end)
@@ -315,6 +325,50 @@ class Consuming:
         if end:
             await core.store.durable(end)
         return {"outcomes": outcomes}
+
+    async def leave(self, body: dict[str, Any]) -> dict[str, Any]:
+        """BROKER_LEAVE: a consumer that closes gives back what it holds unacknowledged at once,
+        rather than after the consumer timeout. `seen` is the last pull sequence its application was
+        handed: messages after it were fetched ahead, never tried, and keep their attempt. A group or
+        consumer this broker does not know holds nothing here: nothing to do. Ordered queues move
+        with their leases instead (BROKER_QUEUE_LOCK with `leave`)."""
+        core = self.core
+        leaves = field(body, "leaves", list)
+        for item in leaves:  # all checked before any is applied
+            if (
+                not isinstance(item, list | tuple)
+                or len(item) != 4
+                or not all(isinstance(x, str) for x in item[:3])
+                or not isinstance(item[3], int)
+                or isinstance(item[3], bool)
+            ):
+                raise bad("each leave must be [subject, group, consumer, seen]")
+            validate_consumer(item[2])
+        now = asyncio.get_running_loop().time()
+        self.left_at = {c: t for c, t in self.left_at.items() if t > now - LEFT_KEPT_S}
+        self.left_at.update((item[2], now) for item in leaves)
+        released, end = 0, 0
+        for stored, key, consumer, seen in leaves:
+            group = core.state.group(stored, key)
+            if group is None or split_queue_subject(user_subject(stored)) is not None:
+                continue
+            leaving = group.leaving(consumer, seen)
+            if leaving is None:
+                continue
+            release, handed, unseen = leaving
+            count, end = give_back(core, group, release, handed, unseen, "left")
+            released += count
+            log.info(
+                "consumer %s of group %s on %s left: %d unacked messages go back to the group (%d never seen)",
+                consumer,
+                key,
+                stored,
+                count,
+                len(unseen),
+            )
+        if end:
+            await core.store.durable(end)
+        return {"released": released}
 
     async def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         now = self.core.clock()

@@ -74,6 +74,7 @@ class BrokerService(Service):
             RequestCode.BROKER_ACK: self.consuming.ack,
             RequestCode.BROKER_NACK: self.consuming.nack,
             RequestCode.BROKER_HEARTBEAT: self._heartbeat,
+            RequestCode.BROKER_LEAVE: self.consuming.leave,
             RequestCode.BROKER_RESET: admin.reset,
             RequestCode.BROKER_DEAD_LIST: admin.dead_list,
             RequestCode.BROKER_DEAD_REDRIVE: admin.redrive,

@@ -137,11 +137,13 @@ class AsyncSubscription(SubscriptionCore):
             await self.flush()
 
     async def close(self) -> None:
-        """Flush acknowledgements and close this subscription's connections. Idempotent."""
+        """Flush acknowledgements, give back what is held unacknowledged (`SubscriptionCore.leave`)
+        and close this subscription's connections. Idempotent."""
         if self.closed:
             return
         try:
             await self.flush()
+            await run(SubscriptionCore.leave(self), self._do)
         finally:
             await self._shutdown()
 

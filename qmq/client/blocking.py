@@ -131,8 +131,9 @@ class Subscription(SubscriptionCore):
     next call. It has its own connections, so that a broker closing one (after an ack it could not
     match) cuts only this subscription's requests.
 
-    Deliveries pulled but never acknowledged (the process stopped) go back to the group once the
-    broker's consumer timeout passes; `close()` flushes the acknowledgements made so far."""
+    Deliveries pulled but never acknowledged go back to the group: at `close()`, which flushes the
+    acknowledgements made so far and then gives back the rest, or, when the process stopped without
+    closing, once the broker's consumer timeout passes."""
 
     client: Client
     nack = blocking(SubscriptionCore.nack)
@@ -160,11 +161,13 @@ class Subscription(SubscriptionCore):
             self.flush()
 
     def close(self) -> None:
-        """Flush acknowledgements and close this subscription's connections. Idempotent."""
+        """Flush acknowledgements, give back what is held unacknowledged (`SubscriptionCore.leave`)
+        and close this subscription's connections. Idempotent."""
         if self.closed:
             return
         try:
             self.flush()
+            run(SubscriptionCore.leave(self), self._do)
         finally:
             self._shutdown()
 

@@ -27,6 +27,7 @@ from qmq.client.deliveries import (
     Delivery,
     SubscribeOptions,
     SubscriptionState,
+    tracker_key,
 )
 from qmq.client.errors import ClientError
 from qmq.client.routes import Route, RouteGroup, no_route_error, with_epoch
@@ -43,6 +44,7 @@ PULL_RETRY_DELAY_S = 0.5  # after a broker failed a pull twice in a row, then do
 PULL_RETRY_MAX_DELAY_S = 5.0  # ...up to this
 ACK_FLUSH_INTERVAL_S = 1.0  # acknowledgements wait at most this long (while pull or ack is called)
 ACK_TIMEOUT_S = 10.0  # wait for a BROKER_ACK, BROKER_NACK or BROKER_HEARTBEAT reply
+LEAVE_TIMEOUT_S = 5.0  # wait for a BROKER_LEAVE reply on closing (without one, the consumer timeout acts)
 # A pull refused with one of these will be refused again: the subscription itself is wrong.
 FATAL_PULL_CODES = frozenset(
     {
@@ -283,6 +285,30 @@ class SubscriptionCore:
         for address, reply in zip(addresses, replies, strict=True):
             if isinstance(reply, BaseException):
                 log.warning("heartbeat to %s failed: %s", address, reply)
+
+    def leave(self) -> Steps[int]:
+        """On closing, after the last acks: tell the brokers this consumer is going, so that what it
+        holds unacknowledged goes back to its group at once rather than after the broker's consumer
+        timeout. What the application never got (fetched ahead, or in a reply still on its way) keeps
+        its attempt count. Returns how many messages went back; a broker that cannot be told keeps
+        them until the timeout, as before."""
+        with self._lock:
+            not_handed = [(a.tracker.key, a.pull_seq) for a in self._arrived]
+            not_handed += [(tracker_key(d), d.pull_seq) for d in self._buffer]
+            bodies = self._state.leave_requests(not_handed)
+        if not bodies:
+            return 0
+        addresses = list(bodies)
+        replies = yield Calls(
+            [Call(a, RequestCode.BROKER_LEAVE, self._with_epoch(bodies[a], a), LEAVE_TIMEOUT_S) for a in addresses]
+        )
+        released = 0
+        for address, reply in zip(addresses, replies, strict=True):
+            if isinstance(reply, BaseException):
+                log.info("cannot tell %s this consumer leaves (%s): its messages wait for the timeout", address, reply)
+            else:
+                released += int(reply.get("released") or 0)
+        return released
 
     # ---- for the drivers -----------------------------------------------------------------------------
 

@@ -302,12 +302,12 @@ class SubscriptionState:
 
     def is_current(self, delivery: Delivery) -> bool:
         """False for a delivery whose tracker was dropped since: its ack would mean nothing."""
-        tracker = self._trackers.get(_key(delivery))
+        tracker = self._trackers.get(tracker_key(delivery))
         return tracker is not None and tracker.epoch == delivery.epoch
 
     def done(self, delivery: Delivery) -> bool:
         """Mark a delivery finished (acknowledged, or nacked and so handed back); False if stale."""
-        tracker = self._trackers.get(_key(delivery))
+        tracker = self._trackers.get(tracker_key(delivery))
         if tracker is None or tracker.epoch != delivery.epoch:
             return False
         tracker.done(delivery.pull_seq)
@@ -337,7 +337,7 @@ class SubscriptionState:
     def drop_delivery(self, delivery: Delivery) -> None:
         """Forget the tracker of one delivery (its nack could not be delivered)."""
         if self.is_current(delivery):
-            del self._trackers[_key(delivery)]
+            del self._trackers[tracker_key(delivery)]
             self._drops[delivery.broker] += 1
 
     def nack_request(
@@ -369,6 +369,23 @@ class SubscriptionState:
         if stop_key is not None:  # an ordered key stops behind this dead letter (docs/ordering.md)
             nack["stop_key"] = stop_key
         return {"nacks": [nack]}
+
+    def leave_requests(self, not_handed: Iterable[tuple[TrackerKey, int]]) -> dict[str, dict[str, Any]]:
+        """BROKER_LEAVE bodies by broker address, one entry per tracker: `[stored_subject, group_key,
+        consumer, seen]`, where `seen` is the last pull sequence handed to the application. `not_handed`
+        names (tracker key, pull sequence) of what was received and not handed out: the broker gives
+        those back without counting an attempt, like anything it handed out that never arrived."""
+        first_not_handed: dict[TrackerKey, int] = {}
+        for key, pull_seq in not_handed:
+            first_not_handed[key] = min(pull_seq, first_not_handed.get(key, pull_seq))
+        leaves: dict[str, list[list[Any]]] = defaultdict(list)
+        for key, tracker in self._trackers.items():
+            last = tracker.last_received
+            if last is None:
+                continue
+            seen = min(last, first_not_handed.get(key, last + 1) - 1)
+            leaves[key[0]].append([key[1], key[2], key[3], seen])
+        return {address: {"leaves": items} for address, items in leaves.items()}
 
     def heartbeat_requests(self) -> dict[str, dict[str, Any]]:
         """BROKER_HEARTBEAT bodies by broker address, naming every stored subject this consumer holds."""
@@ -416,5 +433,5 @@ class SubscriptionState:
         return delivery
 
 
-def _key(delivery: Delivery) -> TrackerKey:
+def tracker_key(delivery: Delivery) -> TrackerKey:
     return (delivery.broker, delivery.stored_subject, delivery.group_key, delivery.consumer)

@@ -111,12 +111,20 @@ def authorize(principal: Principal, code: int, body: dict[str, Any]) -> None:
     raise forbidden(f"application {principal.app!r} may not {name} (an admin credential or the shared token may)")
 
 
+# consuming requests that name [stored subject, group key, ...] items, and the body's list of them
+_CONSUMER_ITEMS = {
+    RequestCode.BROKER_ACK: "acks",
+    RequestCode.BROKER_HEARTBEAT: "consumers",
+    RequestCode.BROKER_LEAVE: "leaves",
+}
+
+
 def _consumed(code: int, body: dict[str, Any]) -> list[tuple[Any, Any]] | None:
     """The (stored subject, group key) pairs a consuming request names; None for other requests."""
     if code in (RequestCode.BROKER_PULL, RequestCode.BROKER_QUEUE_LOCK):
         return [(body.get("subject"), body.get("group"))]
-    if code in (RequestCode.BROKER_ACK, RequestCode.BROKER_HEARTBEAT):
-        items = _list(body.get("acks" if code == RequestCode.BROKER_ACK else "consumers"))
+    if code in _CONSUMER_ITEMS:
+        items = _list(body.get(_CONSUMER_ITEMS[code]))
         return [(i[0], i[1]) for i in items if isinstance(i, list) and len(i) >= 2]
     if code == RequestCode.BROKER_NACK:
         return [(i.get("subject"), i.get("group")) for i in _list(body.get("nacks")) if isinstance(i, dict)]

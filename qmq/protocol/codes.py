@@ -28,6 +28,7 @@ class RequestCode(IntEnum):
     BROKER_ACK = 102  # {"acks": [[subject, group, consumer, last_pull], ...]} -> {}
     BROKER_NACK = 103  # {"nacks": [{...}]} -> {"outcomes": [...]}: retry later or dead-letter
     BROKER_HEARTBEAT = 104  # {"consumers": [[subject, group, consumer], ...]} -> {}
+    BROKER_LEAVE = 105  # {"leaves": [[subject, group, consumer, seen], ...]} -> {"released"}: a consumer closes
     BROKER_RESET = 110  # {"subject", "group", "to": "earliest" | "latest" | seq} -> {"cursor"}
     BROKER_DEAD_LIST = 111  # {"subject", "group", "from", "max"} -> {"messages", "next"}
     BROKER_DEAD_REDRIVE = 112  # {"subject", "group", "seqs"?} -> {"redriven"}
