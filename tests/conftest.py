@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -16,6 +17,10 @@ from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
 from tests.support.processes import ProcessManager, free_port
 from tests.support.replication import HOST, start_meta
+
+# Every Spark JVM a test starts (PySpark, spark-submit, `qmq reconcile`) takes the test settings.
+SPARK_CONF_DIR = str(Path(__file__).resolve().parent / "spark-conf")
+os.environ.setdefault("SPARK_CONF_DIR", SPARK_CONF_DIR)
 
 PG_ADMIN_URL = os.environ.get("QMQ_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("QMQ_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -90,3 +95,34 @@ def engine(db_url):
     engine = create_engine(db_url)
     yield engine
     engine.dispose()
+
+
+# Test files that use the shared SparkSession (tests/support/reconcile.py): xdist runs them on one
+# worker, so that one JVM starts rather than one per worker (tens of seconds of both cores each on a
+# small machine). Every other file goes to a worker whole, as with --dist loadfile.
+SPARK_FILES = {
+    "tests/test_end_to_end.py",
+    "tests/test_reconcile_ordering.py",
+    "tests/test_reconcile_redrive.py",
+    "tests/test_reconcile_scenario.py",
+    "tests/test_reconcile_units.py",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class SparkFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "spark" if file in SPARK_FILES else file
+
+    return SparkFilesTogether(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A file that starts using the shared SparkSession must be named in SPARK_FILES."""
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        if "spark" in getattr(item, "fixturenames", ()) and file not in SPARK_FILES:
+            raise pytest.UsageError(f"{file} uses the `spark` fixture: add it to SPARK_FILES in tests/conftest.py")

@@ -541,12 +541,17 @@ RESULTS = textwrap.dedent("""
 """)
 
 
+# The JVM settings of tests/spark-conf for the job's container: a small job, its CPU mostly the JIT's.
+TEST_JVM = ("-e", "JAVA_TOOL_OPTIONS=-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+
+
 def test_the_reconciliation_reports_every_message_delivered(cluster, placed) -> None:
     assert placed["orders"], "the tests before this one placed no order"
     window = ["-e", f"QMQ_RECONCILE_SINCE={cluster.started_at.isoformat()}", "-e", "QMQ_RECONCILE_UNTIL=now"]
-    result = cluster.compose("run", "--rm", "-T", *window, "reconcile", timeout=600)
+    result = cluster.compose("run", "--rm", "-T", *window, *TEST_JVM, "reconcile", timeout=600)
     assert result.returncode == 0
-    output = cluster.compose("run", "--rm", "-T", "--no-deps", "--entrypoint", "python", "reconcile", "-c", RESULTS)
+    results = ("run", "--rm", "-T", "--no-deps", *TEST_JVM, "--entrypoint", "python", "reconcile", "-c", RESULTS)
+    output = cluster.compose(*results)
     found = json.loads(output.stdout.strip().splitlines()[-1])
     summary, classes = found["summary"], found["classes"]
     # One member's store per group; the delay group's from the promoted replica (newer epoch, longer

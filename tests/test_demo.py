@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import PG_ADMIN_URL
+from tests.conftest import PG_ADMIN_URL, SPARK_CONF_DIR
 from tests.support.broker import ROOT
 
 
@@ -19,7 +19,13 @@ def demo(tmp_path, *args: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
         cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "QMQ_PG_ADMIN_URL": PG_ADMIN_URL, "HOME": str(tmp_path)},
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(ROOT),
+            "QMQ_PG_ADMIN_URL": PG_ADMIN_URL,
+            "HOME": str(tmp_path),
+            "SPARK_CONF_DIR": SPARK_CONF_DIR,
+        },
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

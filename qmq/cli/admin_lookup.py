@@ -9,7 +9,6 @@ from typing import Any
 
 import click
 
-from qmq.admin.database import message_rows
 from qmq.admin.views import lookup_view
 from qmq.cli.admin_options import admin_client, admin_options, emit, table
 from qmq.db.url import DB_URL_ENV
@@ -33,6 +32,8 @@ def lookup(meta, brokers, delay_servers, token, as_json, log_level, message_id, 
         view = lookup_view(*admin.lookup(message_id, subject, key))
     if db_url:
         ids = [message_id] if message_id else list(dict.fromkeys(m["id"] for m in view["messages"]))
+        from qmq.admin.database import message_rows  # SQLAlchemy: only for --db
+
         view["database"] = {i: message_rows(db_url, i) for i in ids}
     found = view["messages"] or view["delayed"] or any(d["outbox"] for d in view.get("database", {}).values())
     emit(view, as_json, _render)

@@ -8,8 +8,10 @@ pick psycopg2 for that, which qmq does not depend on. qmq speaks psycopg 3, so e
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import sqlalchemy as sa
+if TYPE_CHECKING:  # the commands that only name the variable do not load SQLAlchemy
+    import sqlalchemy as sa
 
 DB_URL_ENV = "QMQ_DB_URL"
 DEFAULT_META_DB_URL = "sqlite:///qmq-meta.sqlite3"  # a file in the current directory
