@@ -18,13 +18,14 @@ ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PIP_DISABL
 RUN python3 -m venv "$VIRTUAL_ENV" && pip install --no-cache-dir "setuptools>=68" wheel
 
 WORKDIR /opt/qmq
-# Dependencies first, from pyproject.toml alone (empty packages stand in for the code), so that a
-# change to the code rebuilds only the last, small layer.
-COPY pyproject.toml README.md ./
+# Dependencies first, from pyproject.toml alone (empty packages and an empty README stand in for
+# the code and the text), so that a change to either rebuilds only the last, small layers.
+COPY pyproject.toml ./
 RUN mkdir -p qmq worker delay_server spark_etl migrations \
- && touch qmq/__init__.py worker/__init__.py delay_server/__init__.py spark_etl/__init__.py migrations/__init__.py \
+ && touch README.md qmq/__init__.py worker/__init__.py delay_server/__init__.py spark_etl/__init__.py migrations/__init__.py \
  && pip install --no-cache-dir --no-build-isolation ".[spark,django,flask,celery]" "psycopg[binary]>=3.1,<4" "redis>=5,<7" \
  && pip uninstall -y qmq && rm -rf qmq worker delay_server spark_etl migrations build
+COPY README.md ./
 COPY qmq ./qmq
 COPY worker ./worker
 COPY delay_server ./delay_server
