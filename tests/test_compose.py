@@ -541,8 +541,18 @@ RESULTS = textwrap.dedent("""
 """)
 
 
-# The JVM settings of tests/spark-conf for the job's container: a small job, its CPU mostly the JIT's.
-TEST_JVM = ("-e", "JAVA_TOOL_OPTIONS=-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+def spark_test_jvm() -> tuple[str, ...]:
+    """The driver JVM options of tests/spark-conf (a small job, its CPU mostly the JIT's), for the
+    job's container, which cannot see that directory: `docker compose run` options."""
+    conf = Path(__file__).resolve().parent / "spark-conf" / "spark-defaults.conf"
+    for line in conf.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "spark.driver.extraJavaOptions":
+            return ("-e", f"JAVA_TOOL_OPTIONS={value.strip()}")
+    raise AssertionError(f"{conf} sets no spark.driver.extraJavaOptions")
+
+
+TEST_JVM = spark_test_jvm()
 
 
 def test_the_reconciliation_reports_every_message_delivered(cluster, placed) -> None:
