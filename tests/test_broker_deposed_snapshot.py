@@ -7,10 +7,12 @@ Before the broker kept its last few snapshots (qmq/broker/snapshot.py), such a m
 snapshot at the cut, could not replay the journal from the start of a log retention had cut short,
 and so wiped its directory, copied the new master's state and fetched its whole retained log again
 (up to 72 h of log in production). It now goes on from the snapshot before, replaying the journal
-after it, and ends with the new master's consumer groups.
+after it, and ends with the new master's consumer groups. And when the deposed master went on
+journalling for longer than its last few snapshots span (a long split, consumers still using it), it
+goes on from the one it set aside at what its replica held (`consumers.snapshot.replicated`).
 
-The members' logs roll every 1 MiB and are kept 3.6 s (`--log-retention 0.001`); the meta server
-fails over after 2 s.
+The members' logs roll every 1 MiB and are kept 3.6 s (`--log-retention 0.001`, so a snapshot every
+0.36 s while the journal moves); the meta server fails over after 2 s.
 """
 
 from __future__ import annotations
@@ -44,7 +46,15 @@ def text(broker: Broker) -> str:
     return broker.proc.log_path.read_text(errors="replace")
 
 
-def test_a_deposed_master_goes_back_to_an_older_snapshot_and_rejoins_without_a_wipe(processes, tmp_path, meta):
+def replica_holds_durably(master: Broker) -> bool:
+    """Every replica told `master` it holds its whole log durable."""
+    stats = replication(master)
+    return bool(stats and stats["replicas"] and all(r["offset"] == stats["log_end"] for r in stats["replicas"]))
+
+
+def diverging_group(processes, tmp_path, meta) -> tuple[Broker, Broker, RawConsumer, list[str]]:
+    """Master a and replica b in sync, retention past both logs' start, consumer x half-way through
+    `retained`, and a snapshot on a of exactly the log b holds durable (and no journal after it)."""
     a = start_member(processes, tmp_path / "a", meta, "a", "--max-lag", LAG, "--ack-replicas", "1")
     wait_role(a, "master")
     b = start_member(processes, tmp_path / "b", meta, "b", "--max-lag", LAG, "--ack-replicas", "1")
@@ -56,29 +66,20 @@ def test_a_deposed_master_goes_back_to_an_older_snapshot_and_rejoins_without_a_w
     send_all(a, SUBJECT, [f"old-{i}" for i in range(20)])
     assert len(x.drain(20)) == 20
     expire([a, b], 0, "push")  # retention removed both logs' start: a lost snapshot would mean a wipe
-    retained = [f"retained-{i}" for i in range(60)]
+    retained = [f"retained-{i}" for i in range(100)]
     send_all(a, SUBJECT, retained)
     assert [d.id for d in x.drain(10, max_count=10)] == retained[:10]  # progress both members hold
+    wait_for(
+        lambda: holds_log_of(b, a) and replica_holds_durably(a) and saved_up_to_its_log_end(a),
+        "a's snapshot of the log b holds",
+    )
+    return a, b, x, retained
 
-    # A snapshot on a of exactly what b holds, and no journal after it.
-    wait_for(lambda: holds_log_of(b, a) and saved_up_to_its_log_end(a), "a's snapshot of the log b holds")
-    b_end = replication(a)["log_end"]
-    os.kill(b.proc.pid, signal.SIGSTOP)
+
+def promote_b(a: Broker, b: Broker) -> int:
+    """Freeze a (b, frozen until now, resumes), wait until the meta server made b master; a resumes.
+    Returns where a's log begins (retention removed what came before)."""
     try:
-        # Journal records on a alone (but the first, which may go out in the reply to a fetch b had in
-        # flight): x reads on, a group is created; then a snapshot of them, taken after the divergence.
-        assert [d.id for d in x.drain(10, max_count=5)] == retained[10:20]
-        only_a = RawConsumer(a.connect(), SUBJECT, "only-a", "only-a-1", {"start": "earliest"})
-        assert len(only_a.drain(5, max_count=5)) == 5
-        only_a.conn.close()
-
-        def diverged() -> bool:
-            found = snapshots(a)
-            return saved_up_to_its_log_end(a) and any(g.log_end is not None and g.log_end <= b_end for g in found[1:])
-
-        wait_for(diverged, "a's snapshot of its own journal, with one of b's log kept before it")
-        a_end = replication(a)["log_end"]
-        assert a_end > b_end
         os.killpg(a.proc.pid, signal.SIGSTOP)  # frozen: the meta server promotes b
     finally:
         os.kill(b.proc.pid, signal.SIGCONT)
@@ -88,8 +89,13 @@ def test_a_deposed_master_goes_back_to_an_older_snapshot_and_rejoins_without_a_w
         assert log_start > 0
     finally:
         os.killpg(a.proc.pid, signal.SIGCONT)
+    return log_start
 
-    wait_role(a, "replica", timeout=30, epoch=2)  # a learnt of b, cut its log to b's, went back a snapshot
+
+def rejoins_without_a_wipe(processes, meta, a: Broker, b: Broker, x: RawConsumer, log_start: int, read: list[str]):
+    """a learns of b, cuts its log to b's, goes back to a kept snapshot instead of wiping its
+    directory, and ends with b's consumer groups; x reads on from its position (after `read`)."""
+    wait_role(a, "replica", timeout=30, epoch=2)
     wait_for(lambda: holds_log_of(a, b), "a to hold b's log")
     a_text = text(a)
     assert "going on from the one before it" in a_text, a_text
@@ -109,6 +115,49 @@ def test_a_deposed_master_goes_back_to_an_older_snapshot_and_rejoins_without_a_w
     assert groups(a) == expected, "the deposed master's consumer groups are not the new master's"
     x = moved_to(x, a)
     ids = [d.id for d in x.drain(200)]
-    assert ids[-len(after) :] == after and set(ids) <= set(retained[10:] + after)  # from x's position on b
+    assert ids[-len(after) :] == after and set(ids) <= set(read + after)  # from x's position on b
     x.conn.close()
     verify_store(processes, a)
+
+
+def test_a_deposed_master_goes_back_to_an_older_snapshot_and_rejoins_without_a_wipe(processes, tmp_path, meta):
+    a, b, x, retained = diverging_group(processes, tmp_path, meta)
+    b_end = replication(a)["log_end"]
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    # Journal records on a alone (but the first, which may go out in the reply to a fetch b had in
+    # flight): x reads on, a group is created; then a snapshot of them, taken after the divergence.
+    assert [d.id for d in x.drain(10, max_count=5)] == retained[10:20]
+    only_a = RawConsumer(a.connect(), SUBJECT, "only-a", "only-a-1", {"start": "earliest"})
+    assert len(only_a.drain(5, max_count=5)) == 5
+    only_a.conn.close()
+
+    def diverged() -> bool:
+        found = snapshots(a)
+        return saved_up_to_its_log_end(a) and any(g.log_end is not None and g.log_end <= b_end for g in found[1:])
+
+    wait_for(diverged, "a's snapshot of its own journal, with one of b's log kept before it")
+    assert replication(a)["log_end"] > b_end
+    log_start = promote_b(a, b)
+    rejoins_without_a_wipe(processes, meta, a, b, x, log_start, retained[10:])
+
+
+def test_a_master_cut_off_longer_than_its_snapshots_span_goes_back_to_the_one_set_aside(processes, tmp_path, meta):
+    a, b, x, retained = diverging_group(processes, tmp_path, meta)
+    b_end = replication(a)["log_end"]
+    os.kill(b.proc.pid, signal.SIGSTOP)  # b holds what it held: what a failover keeps of a's log
+    # As above: x's pull first (its journal record may still reach b), then a group on a alone.
+    assert [d.id for d in x.drain(2, max_count=2)] == retained[10:12]
+    only_a = RawConsumer(a.connect(), SUBJECT, "only-a", "only-a-1", {"start": "earliest"})
+    assert len(only_a.drain(5, max_count=5)) == 5
+    only_a.conn.close()
+    read = 12
+    # x reads on, snapshot after snapshot, until every slot holds one past b's log.
+    while not all(g.log_end is not None and g.log_end > b_end for g in snapshots(a)[: snapshot.KEPT_SNAPSHOTS]):
+        seq = snapshots(a)[0].journal_seq
+        assert [d.id for d in x.drain(2, max_count=2)] == retained[read : read + 2]
+        read += 2
+        wait_for(lambda seq=seq: snapshots(a)[0].journal_seq > seq, "a's next snapshot")
+    set_aside = {g.path.name: g for g in snapshots(a)}.get(snapshot.REPLICATED_NAME)
+    assert set_aside is not None and set_aside.log_end == b_end, snapshots(a)
+    log_start = promote_b(a, b)
+    rejoins_without_a_wipe(processes, meta, a, b, x, log_start, retained[10:])

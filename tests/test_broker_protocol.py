@@ -291,7 +291,12 @@ def test_registers_in_its_group_follows_the_read_only_flag_and_unregisters_at_si
 
         server = wait_until(listed, "the broker to register")
         assert (server["kind"], server["group"], server["unregistered_at"]) == ("broker", "g1", None)
-        route = meta.request(RequestCode.META_ROUTE, {"subject": "orders", "create": True})
+
+        def routed() -> dict | None:  # the meta server names the master at its next sweep, not at registration
+            route = meta.request(RequestCode.META_ROUTE, {"subject": "orders", "create": True})
+            return route if route["groups"] and route["groups"][0].get("master") else None
+
+        route = wait_until(routed, "the meta server to name the group's master")
         assert route["groups"] == [
             {
                 "name": "g1",

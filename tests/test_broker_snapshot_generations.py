@@ -110,6 +110,37 @@ def test_a_cut_keeps_the_newest_snapshot_covering_nothing_cut_whose_journal_is_r
         assert chosen.path == tmp_path / snapshot.FILE_NAME and snapshot.load(tmp_path)["journal_seq"] == kept[0]
 
 
+def test_a_replicated_master_sets_aside_the_newest_snapshot_every_replica_held(tmp_path) -> None:
+    def save(seq: int, upto: int | None) -> dict[str, int]:
+        snapshot.save(tmp_path, state_at(seq), log_end=seq * 100, replicated_upto=upto)
+        return names(tmp_path)
+
+    # The replicas hold the log up to 150 and no further (a split): the snapshot of journal 1 (log
+    # end 100) is the newest at or below it, and the rotation that would drop it sets it aside.
+    for seq in (1, 2, 3):
+        save(seq, 150)
+    assert save(4, 150) == {
+        "consumers.snapshot": 4,
+        "consumers.snapshot.1": 3,
+        "consumers.snapshot.2": 2,
+        "consumers.snapshot.replicated": 1,
+    }
+    assert save(5, 150)["consumers.snapshot.replicated"] == 1  # 2 (log end 200) is past 150: dropped
+    assert save(6, 350)["consumers.snapshot.replicated"] == 3  # the replicas moved on: a newer one
+    assert save(7, None)["consumers.snapshot.replicated"] == 3  # no replica heard from: left as it is
+    assert "consumers.snapshot.replicated" not in save(8, 700)  # one kept in the slots is at or below
+    assert snapshot.load(tmp_path)["journal_seq"] == 8
+
+
+def test_a_snapshot_whose_log_end_cannot_be_peeked_is_not_set_aside(tmp_path) -> None:
+    for seq in (1, 2, 3):  # as saved before the log end was written first
+        body = {**state_at(seq), "filler": "x" * snapshot.PEEK_BYTES, "log_end": seq}
+        name = snapshot.FILE_NAMES[3 - seq]
+        (tmp_path / name).write_bytes(sealed(msgpack.packb(body, use_bin_type=True)))
+    snapshot.save(tmp_path, state_at(4), log_end=400, replicated_upto=10)
+    assert names(tmp_path) == {"consumers.snapshot": 4, "consumers.snapshot.1": 3, "consumers.snapshot.2": 2}
+
+
 # ---- a cut log of a broker whose log retention removed the start (BrokerDuty._cut_state) ----------
 
 
@@ -132,8 +163,9 @@ class Log:
             self.state.apply(entry, 0.0)
             self.state.journal_seq = seq + 1
 
-    def save(self) -> int:
-        snapshot.save(self.data_dir / STATE_DIR, self.state.to_snapshot(), log_end=self.store.end_offset)
+    def save(self, replicated_upto: int | None = None) -> int:
+        state, end = self.state.to_snapshot(), self.store.end_offset
+        snapshot.save(self.data_dir / STATE_DIR, state, log_end=end, replicated_upto=replicated_upto)
         return self.state.journal_seq
 
     def expire(self) -> None:
@@ -186,3 +218,24 @@ def test_a_cut_with_no_snapshot_to_go_on_from_wipes_the_directory_as_before(tmp_
 
     assert BrokerDuty({}, CONFIG)._cut_state(tmp_path, cut_at) is True
     assert not (tmp_path / STATE_DIR).exists() and not (tmp_path / "messagelog").exists()
+
+
+def test_a_long_split_goes_on_from_the_snapshot_set_aside_at_what_the_replica_held(tmp_path) -> None:
+    """A deposed master that went on journalling (consumers still using it) for more snapshots than
+    it keeps, while its replica, promoted, held the log only up to `held`."""
+    log = Log(tmp_path)
+    log.journal(20, filler=3)
+    log.expire()
+    log.journal(3)
+    held = log.store.end_offset  # what the replica holds when the split begins
+    before_split = log.save(held)
+    for _ in range(2 * snapshot.KEPT_SNAPSHOTS):  # the split: the journal moves, the replica's report does not
+        log.journal(2)
+        log.save(held)
+    log.store.close()
+    assert "consumers.snapshot.replicated" in names(tmp_path / STATE_DIR)
+    truncate_log(tmp_path, held)  # the new master had what the replica held
+
+    assert BrokerDuty({}, CONFIG)._cut_state(tmp_path, held) is False  # not wiped
+    assert names(tmp_path / STATE_DIR) == {"consumers.snapshot": before_split}
+    assert groups_recovered(tmp_path) == [f"g{seq}" for seq in range(before_split)]

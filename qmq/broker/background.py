@@ -59,7 +59,8 @@ class BackgroundWork:
         data = self.core.state.to_snapshot()
         end = self.core.store.end_offset  # taken with the state: the journal it covers ends before
         await self.core.store.flushed(end)
-        await asyncio.to_thread(snapshot.save, self.state_dir, data, log_end=end)
+        upto = self.core.replicated_upto()
+        await asyncio.to_thread(snapshot.save, self.state_dir, data, log_end=end, replicated_upto=upto)
 
     async def _snapshot_loop(self) -> None:
         saved_at = self.core.state.journal_seq

@@ -50,6 +50,8 @@ class BrokerCore:
         self.read_only = False  # set by the meta server (or too few replicas in sync): sends go elsewhere
         # A replicated group's master waits here until enough replicas hold a send (qmq/replication/roles.py).
         self.replicated: Callable[[int], Awaitable[None]] = _nothing_to_wait_for
+        # ...and below this offset every replica holds the log: snapshots keep one at or below it.
+        self.replicated_upto: Callable[[], int | None] = lambda: None
         self.retries_changed = asyncio.Event()  # a retry was scheduled: the retry loop looks again
         self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)  # subject -> waiting pulls
 

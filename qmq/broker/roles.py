@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,9 @@ class BrokerDuty:
 
     def set_acknowledged(self, service: BrokerService, acknowledged: Any) -> None:
         service.core.replicated = acknowledged
+
+    def set_replicated_upto(self, service: BrokerService, upto: Callable[[], int | None]) -> None:
+        service.core.replicated_upto = upto
 
     async def open_replica(self, store: LogStore) -> None:
         replica = ReplicaState(store, store.data_dir / STATE_DIR)

@@ -12,6 +12,12 @@ record that was cut and goes on from the newest of the others whose journal afte
 log (`keep_within`): re-fetching the log, which a lost snapshot would cost when retention removed
 the log's start, is left for when none qualifies.
 
+A master of a replicated group also keeps the newest snapshot at or below what every replica it
+knows holds durable (`replicated_upto`), as `consumers.snapshot.replicated`, once the three newest
+are all past it. A failover cannot cut the log below that point (the new master is a replica), so
+however long a split lasts while consumers go on using the deposed master, a cut finds a snapshot to
+go on from, as long as retention kept the journal after it.
+
 Saving rotates the files (`.1` to `.2`, the newest to `.1`, each an atomic rename) and then writes
 the new one atomically; a crash in between leaves whole snapshots only, and `load` takes the newest
 of them by journal sequence, whatever their names. A directory of the older layout (one
@@ -38,7 +44,9 @@ log = logging.getLogger("qmq.broker")
 FILE_NAME = "consumers.snapshot"  # the newest snapshot
 KEPT_SNAPSHOTS = 3  # snapshot files kept: the newest and the two saved before it (a cut may need one)
 FILE_NAMES = (FILE_NAME, *(f"{FILE_NAME}.{n}" for n in range(1, KEPT_SNAPSHOTS)))  # newest first
-PEEK_BYTES = 4096  # read to learn the newest snapshot's journal sequence before rotating
+REPLICATED_NAME = f"{FILE_NAME}.replicated"  # set aside: at or below what every replica held
+ALL_NAMES = (*FILE_NAMES, REPLICATED_NAME)  # in slot order: the set-aside one is the oldest
+PEEK_BYTES = 4096  # read to learn a snapshot's journal sequence and log end without loading it
 
 
 class SnapshotError(ValueError):
@@ -57,7 +65,7 @@ class Generation:
 
 def files(directory: Path) -> list[Path]:
     """The snapshot files present, in slot order (newest first, as saved)."""
-    return [directory / name for name in FILE_NAMES if (directory / name).exists()]
+    return [directory / name for name in ALL_NAMES if (directory / name).exists()]
 
 
 def read(path: Path) -> dict[str, Any]:
@@ -107,19 +115,41 @@ def load(directory: Path) -> dict[str, Any] | None:
     return found[0].data
 
 
-def save(directory: Path, snapshot: dict[str, Any], *, log_end: int | None = None) -> None:
+def save(
+    directory: Path, snapshot: dict[str, Any], *, log_end: int | None = None, replicated_upto: int | None = None
+) -> None:
     """Save `snapshot` (its journal records all end at or before `log_end`, if known, and are
     durable) as the newest; the one it replaces is kept as the previous generation unless it covers
-    the same journal, and the oldest beyond `KEPT_SNAPSHOTS` goes. Blocking."""
+    the same journal, and the oldest beyond `KEPT_SNAPSHOTS` goes, or is set aside if it is the
+    newest at or below `replicated_upto` (a replicated master's: every replica holds the log before
+    it durable). Blocking."""
     directory.mkdir(parents=True, exist_ok=True)
     newest = directory / FILE_NAME
-    body = snapshot if log_end is None else {**snapshot, "log_end": log_end}
+    body = snapshot if log_end is None else {"log_end": log_end, **snapshot}  # first: peeked at
     data = sealed(msgpack.packb(body, use_bin_type=True))
-    if newest.exists() and _peek_journal_seq(newest) != int(snapshot.get("journal_seq", 0)):
+    if newest.exists() and _peek(newest)[0] != int(snapshot.get("journal_seq", 0)):
+        if replicated_upto is not None:
+            _set_aside(directory, replicated_upto, log_end)
         for older, newer in zip(reversed(FILE_NAMES[1:]), reversed(FILE_NAMES[:-1]), strict=True):
             with contextlib.suppress(FileNotFoundError):
                 os.replace(directory / newer, directory / older)  # atomic: each file stays whole
     write_atomically(newest, data)  # fsyncs the directory: the renames before it too
+
+
+def _set_aside(directory: Path, upto: int, new_log_end: int | None) -> None:
+    """Before a rotation drops the oldest kept snapshot: keep it as the set-aside one if none left
+    after the rotation ends at or below `upto` and it does; drop the set-aside one once one left
+    does (it is older)."""
+    staying = [_peek(directory / name)[1] for name in FILE_NAMES[:-1] if (directory / name).exists()]
+    set_aside = directory / REPLICATED_NAME
+    if any(end is not None and end <= upto for end in [new_log_end, *staying]):
+        with contextlib.suppress(FileNotFoundError):
+            set_aside.unlink()
+        return
+    oldest = directory / FILE_NAMES[-1]
+    end = _peek(oldest)[1] if oldest.exists() else None
+    if end is not None and end <= upto:
+        os.replace(oldest, set_aside)  # the rotation's renames then fsync the directory
 
 
 def keep_within(directory: Path, journal_end: int, retained: Callable[[int], bool]) -> Generation | None:
@@ -136,7 +166,7 @@ def keep_within(directory: Path, journal_end: int, retained: Callable[[int], boo
     for path in files(directory):
         if path not in kept_paths:
             path.unlink()  # covers what was cut, cannot be replayed from, or damaged
-    if kept and [g.path for g in kept] == sorted(kept_paths, key=lambda p: FILE_NAMES.index(p.name)):
+    if kept and [g.path for g in kept] == sorted(kept_paths, key=lambda p: ALL_NAMES.index(p.name)):
         for slot, generation in zip(FILE_NAMES, kept, strict=False):  # close the gaps, newest first
             if generation.path.name != slot:
                 os.replace(generation.path, directory / slot)  # onto a slot already emptied
@@ -146,9 +176,11 @@ def keep_within(directory: Path, journal_end: int, retained: Callable[[int], boo
     return chosen
 
 
-def _peek_journal_seq(path: Path) -> int | None:
-    """The journal sequence a snapshot file names, read from its first bytes without checking it
-    (only to decide whether to keep it as a generation); None if it cannot be told."""
+def _peek(path: Path) -> tuple[int | None, int | None]:
+    """The journal sequence and log end a snapshot file names, read from its first bytes without
+    checking it (only to decide which files to keep); None for what cannot be told there (a log end
+    written after the state, as before it was written first)."""
+    found: dict[str, int] = {}
     try:
         with path.open("rb") as f:
             head = f.read(SEAL.size + PEEK_BYTES)[SEAL.size :]
@@ -156,9 +188,12 @@ def _peek_journal_seq(path: Path) -> int | None:
         unpacker.feed(head)
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
-            if key == "journal_seq":
-                return int(unpacker.unpack())
-            unpacker.skip()
+            if key in ("journal_seq", "log_end"):
+                found[key] = int(unpacker.unpack())
+                if len(found) == 2:
+                    break
+            else:
+                unpacker.skip()
     except (OSError, ValueError, TypeError, msgpack.UnpackException, msgpack.OutOfData):
-        return None
-    return None
+        pass
+    return found.get("journal_seq"), found.get("log_end")

@@ -85,7 +85,10 @@ class Duty(Protocol):
     group, replica, epoch, token)` (the copy, beside the open store) then `install_snapshot(data_dir,
     copy)` (blocking, the store closed); and `copy_ahead(data_dir, store) -> bool`: its state is a
     copy covering more of the log than the replica holds yet (only as good as the master that made
-    it: a replica of another master copies again)."""
+    it: a replica of another master copies again). And `set_replicated_upto(service, upto)` on a
+    master whose state is saved in snapshots a cut may have to go back past (a broker): `upto()` is
+    the offset before which every replica this master knows holds its log durable, None when none
+    does (`Followers.replicated_upto`)."""
 
     kind: str  # "broker", "delay server": the start of each role-change log line
     stats_code: RequestCode  # answered by a server that is not master too
@@ -415,6 +418,8 @@ class Roles:
         if self.service is None:
             service = await self.duty.open_master(self.store, self.group)
             self.duty.set_acknowledged(service, self._acknowledged)
+            if (set_upto := getattr(self.duty, "set_replicated_upto", None)) is not None:
+                set_upto(service, self._replicated_upto)
             self.read_only = False
             self.service = service
         if self.followers is not None:
@@ -632,6 +637,13 @@ class Roles:
         if self.membership is None:
             return False
         return time.monotonic() - self.membership.last_reply_at > self.failover_after_s / 2
+
+    def _replicated_upto(self) -> int | None:
+        """While master of a replicated group: where a failover could cut this log at the lowest."""
+        followers = self.followers
+        if followers is None or self.role is not Role.MASTER or not self.replicated:
+            return None
+        return followers.replicated_upto()
 
     async def _acknowledged(self, end: int) -> None:
         followers = self.followers

@@ -172,6 +172,12 @@ class Followers:
             return "this master lost the meta server and fenced itself"
         return f"{len(self.in_sync())} replica(s) in sync, {self.ack_replicas} needed"
 
+    def replicated_upto(self) -> int | None:
+        """The offset before which every replica this master heard from holds its log durable (None
+        before any did): a failover's new master is one of them, so no cut goes below it. A replica
+        out of reach keeps its last report, which is what counts during a split."""
+        return min((r.offset for r in self.replicas.values()), default=None)
+
     def _acked_offset(self, needed: int) -> int:
         counted = None if self.counted is None else self.counted()
         replicas = self.replicas.values()
