@@ -7,9 +7,10 @@ too: recovering the state from the journal alone at promotion would lose what re
 So a replica keeps the state as the master does: recovered at open from its own snapshot and
 journal, brought forward after each durable chunk (`replicated`), and saved to its own
 `consumers/` as often as a master does (background.py; the last few are kept, snapshot.py, so a cut
-log can go back to one that covers nothing cut, as a master's). The state only ever covers journal
-records that are durable here, so a saved snapshot never runs ahead of the log it covers. At promotion the
-master's recovery starts from the last snapshot (`close` saves one).
+log can go back to one that covers nothing cut, as a master's, and one at or below what the master
+says every replica holds is set aside, for a replica cut off with its master for long). The state
+only ever covers journal records that are durable here, so a saved snapshot never runs ahead of the
+log it covers. At promotion the master's recovery starts from the last snapshot (`close` saves one).
 
 The work (reading journal records, applying them, saving) runs off the event loop, one step at a
 time in one task, so the fetcher never waits for it.
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from qmq.broker import recovery, snapshot
@@ -34,9 +36,14 @@ APPLY_RETRY_S = 1.0  # after a step that failed (an unreadable journal record, a
 
 
 class ReplicaState:
-    def __init__(self, store: LogStore, state_dir: Path) -> None:
+    def __init__(
+        self, store: LogStore, state_dir: Path, *, replicated_upto: Callable[[], int | None] = lambda: None
+    ) -> None:
+        """`replicated_upto()`: what the master says every replica holds (snapshot.py keeps a
+        snapshot at or below it, as the master does)."""
         self.store = store
         self.state_dir = state_dir
+        self.replicated_upto = replicated_upto
         self.snapshot_interval_s = snapshot_interval_s(store.config.retention_s)  # as a master's
         self.state: BrokerState | None = None
         self.durable = 0  # the log is durable up to here: the state may cover it
@@ -110,5 +117,5 @@ class ReplicaState:
         upto = self.durable
         recovery.replay(self.store, state, time.time(), upto=upto)
         if save and state.journal_seq != self._saved_seq:
-            snapshot.save(self.state_dir, state.to_snapshot(), log_end=upto)
+            snapshot.save(self.state_dir, state.to_snapshot(), log_end=upto, replicated_upto=self.replicated_upto())
             self._saved_seq = state.journal_seq

@@ -45,10 +45,12 @@ class BrokerDuty:
         self.store_config = store_config or StoreConfig()
         self.replica: ReplicaState | None = None
         self.copies = state_copy.Copies()  # a master's copies of its state for replicas left behind
+        self.replicated_upto: Callable[[], int | None] = lambda: None  # Roles.replicated_upto, once set
 
     async def open_master(self, store: LogStore, group: str) -> BrokerService:
         service = await asyncio.to_thread(BrokerService, store, **self.service_options)
         service.core.group_name = group
+        service.core.replicated_upto = self.replicated_upto
         service.start()
         return service
 
@@ -61,11 +63,11 @@ class BrokerDuty:
     def set_acknowledged(self, service: BrokerService, acknowledged: Any) -> None:
         service.core.replicated = acknowledged
 
-    def set_replicated_upto(self, service: BrokerService, upto: Callable[[], int | None]) -> None:
-        service.core.replicated_upto = upto
+    def set_replicated_upto(self, upto: Callable[[], int | None]) -> None:
+        self.replicated_upto = upto
 
     async def open_replica(self, store: LogStore) -> None:
-        replica = ReplicaState(store, store.data_dir / STATE_DIR)
+        replica = ReplicaState(store, store.data_dir / STATE_DIR, replicated_upto=self.replicated_upto)
         await replica.open()
         self.replica = replica
 

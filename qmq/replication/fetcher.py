@@ -92,6 +92,7 @@ class Fetcher:
         self.on_durable = on_durable
         self.wait_ms = wait_ms
         self.master_end = 0  # the master's log end in its last reply
+        self.master_replicated_upto: int | None = None  # every replica holds the log below it, said the master
         self.damaged_at: int | None = None  # a record of the master's that failed its CRC here: told in the next fetch
         self.fetches = 0
         self.durable = store.durable_offset  # durable here, and `on_durable` ran up to it
@@ -230,6 +231,9 @@ class Fetcher:
         self.pipelined = reply.get("pipelined") is True
         data = reply.get("data") or b""
         self.master_end = int(reply.get("end", 0))
+        replicated = reply.get("replicated")  # an older master does not say
+        if isinstance(replicated, int) and not isinstance(replicated, bool):
+            self.master_replicated_upto = replicated
         if data:
             if len(data) <= INLINE_APPEND_BYTES:  # a few writes: cheaper than a thread hop
                 self.store.append_replicated(data, offset)

@@ -85,10 +85,10 @@ class Duty(Protocol):
     group, replica, epoch, token)` (the copy, beside the open store) then `install_snapshot(data_dir,
     copy)` (blocking, the store closed); and `copy_ahead(data_dir, store) -> bool`: its state is a
     copy covering more of the log than the replica holds yet (only as good as the master that made
-    it: a replica of another master copies again). And `set_replicated_upto(service, upto)` on a
-    master whose state is saved in snapshots a cut may have to go back past (a broker): `upto()` is
-    the offset before which every replica this master knows holds its log durable, None when none
-    does (`Followers.replicated_upto`)."""
+    it: a replica of another master copies again). And `set_replicated_upto(upto)`, called once, for
+    a server whose state is saved in snapshots that a cut may have to go back past (a broker):
+    `upto()` is the offset below which no failover can cut this server's log, as far as it knows,
+    or None (`Roles.replicated_upto`)."""
 
     kind: str  # "broker", "delay server": the start of each role-change log line
     stats_code: RequestCode  # answered by a server that is not master too
@@ -197,6 +197,8 @@ class Roles:
         self._meta_in_sync: set[str] = set()  # what the meta server confirmed it heard: they acknowledge
         self._last_unreachable_poke = 0.0
         self._handing_off_until = 0.0  # a manual failover stops sends until then (monotonic)
+        if (set_upto := getattr(duty, "set_replicated_upto", None)) is not None:
+            set_upto(self.replicated_upto)
 
     # ---- the process's view --------------------------------------------------------------------
 
@@ -418,8 +420,6 @@ class Roles:
         if self.service is None:
             service = await self.duty.open_master(self.store, self.group)
             self.duty.set_acknowledged(service, self._acknowledged)
-            if (set_upto := getattr(self.duty, "set_replicated_upto", None)) is not None:
-                set_upto(service, self._replicated_upto)
             self.read_only = False
             self.service = service
         if self.followers is not None:
@@ -638,12 +638,18 @@ class Roles:
             return False
         return time.monotonic() - self.membership.last_reply_at > self.failover_after_s / 2
 
-    def _replicated_upto(self) -> int | None:
-        """While master of a replicated group: where a failover could cut this log at the lowest."""
-        followers = self.followers
-        if followers is None or self.role is not Role.MASTER or not self.replicated:
+    def replicated_upto(self) -> int | None:
+        """The offset below which no failover can cut this server's log, as far as it knows: as
+        master, what every replica it heard from holds durable (`Followers.replicated_upto`); as
+        replica, what its master last said of the same (as Kafka's followers learn the high
+        watermark). None when it does not know, or alone."""
+        if not self.replicated:
             return None
-        return followers.replicated_upto()
+        if self.role is Role.MASTER and self.followers is not None:
+            return self.followers.replicated_upto()
+        if self.role is Role.REPLICA and self.fetcher is not None:
+            return self.fetcher.master_replicated_upto
+        return None
 
     async def _acknowledged(self, end: int) -> None:
         followers = self.followers

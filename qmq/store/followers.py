@@ -282,13 +282,16 @@ class Followers:
         limit = self.store.end_offset
         data = self.store.read_chunk(offset, max_bytes, limit)
         state.replied(limit, time.monotonic())
-        return {
+        reply = {
             "epoch": self.epoch,
             "data": data,
             "end": limit,
             "epochs": [list(e) for e in self.epochs],
             "pipelined": True,  # this master takes `durable` as the acknowledgement, not `offset`
         }
+        if (upto := self.replicated_upto()) is not None:
+            reply["replicated"] = upto  # no failover cuts below it (the replica's snapshots, snapshot.py)
+        return reply
 
     async def epoch_end(self, body: dict[str, Any]) -> dict[str, Any]:
         """REPL_EPOCH_END: where `epoch` ends in this master's log."""
