@@ -80,10 +80,13 @@ def install_uvloop() -> None:
         pass
 
 
+def broker_args(data_dir: Path, port: int, flush: str) -> list[str]:
+    """`qmq broker`'s options: on `port` with its store in `data_dir`, logging warnings only."""
+    return ["--data-dir", str(data_dir), "--port", str(port), "--flush", flush, "-l", "WARNING"]
+
+
 def broker_command(data_dir: Path, port: int, flush: str) -> list[str]:
-    """`qmq broker` on `port` with its store in `data_dir`, logging warnings only."""
-    args = ["--data-dir", str(data_dir), "--port", str(port), "--flush", flush, "-l", "WARNING"]
-    return [sys.executable, "-m", "qmq", "broker", *args]
+    return [sys.executable, "-m", "qmq", "broker", *broker_args(data_dir, port, flush)]
 
 
 class BrokerProcess:

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.broker import BrokerProcess, broker_command, free_port, install_uvloop, wait_port  # noqa: E402
+from bench.broker import BrokerProcess, broker_args, free_port, install_uvloop, wait_port  # noqa: E402
 from qmq.client import AsyncClient  # noqa: E402
 
 SUBJECT = "latency.path"
@@ -99,12 +99,7 @@ class TracedBroker(BrokerProcess):
     def __init__(self, trace_out: Path) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-latency-"))
         self.port = free_port()
-        command = [
-            sys.executable,
-            __file__,
-            "--traced-broker",
-            *broker_command(self.dir / "data", self.port, "sync")[4:],
-        ]
+        command = [sys.executable, __file__, "--traced-broker", *broker_args(self.dir / "data", self.port, "sync")]
         self.proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, TRACE_ENV: str(trace_out)})
         wait_port(self.port, self.proc, 30)
 
@@ -129,27 +124,24 @@ def produce(port: int, rate: int, total: int) -> None:
     asyncio.run(run())
 
 
-async def consume(port: int, rate: int, total: int, ack: bool, prefetch: bool) -> tuple[dict, list]:
-    """{message id: (producer stamp, receipt)} and (pull called, pull returned) of each pull."""
+async def consume(port: int, rate: int, total: int, ack: bool, prefetch: bool) -> dict[str, tuple[float, float]]:
+    """{message id: (producer stamp, receipt)}."""
     received: dict[str, tuple[float, float]] = {}
-    pulls: list[tuple[float, float]] = []
     async with AsyncClient(brokers=[f"127.0.0.1:{port}"]) as client:
         subscription = await client.subscribe(SUBJECT, "latency-path", start="earliest", prefetch=prefetch)
         await subscription.pull(1, 0)  # the group exists before the first message
         producer = multiprocessing.get_context("spawn").Process(target=produce, args=(port, rate, total))
         producer.start()
         while len(received) < total:
-            called = time.perf_counter()
             batch = await subscription.pull(256, 2.5)
             now = time.perf_counter()
-            pulls.append((called, now))
             for delivery in batch:
                 received[delivery.id] = (STAMP.unpack_from(delivery.body)[0], now)
                 if ack:
                     await subscription.ack(delivery)
         await subscription.close()
         producer.join()
-    return received, pulls
+    return received
 
 
 # ---- the report -----------------------------------------------------------------------------------
@@ -201,7 +193,7 @@ def main() -> None:
     )
     broker = TracedBroker(trace_out)
     try:
-        received, _ = asyncio.run(consume(broker.port, args.rate, total, not args.no_ack, args.prefetch))
+        received = asyncio.run(consume(broker.port, args.rate, total, not args.no_ack, args.prefetch))
     finally:
         broker.stop()
     with open(trace_out, "rb") as trace:
