@@ -4,6 +4,8 @@ derived files its own; bad chunks are refused whole; a log cut back keeps what i
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from qmq.store import epochs as ep
@@ -11,6 +13,7 @@ from qmq.store import record as rec
 from qmq.store.consume_log import pack_entry
 from qmq.store.recovery_point import RecoveryPoint
 from qmq.store.replication import ChunkError, check_chunk, split_chunk, truncate_log, whole_prefix
+from qmq.store.segment import Segment
 from qmq.store.store import LogStore, Message, StoreError
 from qmq.store.verify import verify
 from tests.support.stores import SMALL, payload_for
@@ -78,6 +81,41 @@ def test_partial_or_corrupt_chunks_are_refused_whole(tmp_path) -> None:
             replica.append_replicated(chunk, 7)  # not where this log ends
         replica.append_replicated(chunk, 0)
         assert replica.end_offset == master.end_offset
+
+
+def test_a_chunk_appended_with_sync_now_is_durable_on_return_without_the_flusher_thread(tmp_path) -> None:
+    with LogStore(tmp_path / "m", SMALL) as master, LogStore(tmp_path / "r", SMALL) as replica:
+        fill(master, 300)  # across segment rolls: every segment written is synced
+        rounds = replica.flusher.syncs
+        while replica.end_offset < master.end_offset:
+            end = replica.append_replicated(
+                master.read_chunk(replica.end_offset, 3000), replica.end_offset, sync_now=True
+            )
+            assert replica.durable_offset == end == replica.end_offset  # durable on return, nobody asked the thread
+        chunks = replica.flusher.syncs_here
+        assert chunks > 5 and replica.flusher.syncs == rounds + chunks  # the flusher thread ran no round of its own
+        assert segment_bytes(replica) == segment_bytes(master)
+        assert [r.message_id for r in replica.read("s", 0, 300).records] == [f"s-{i}" for i in range(300)]
+    assert verify(tmp_path / "r").ok
+
+
+def test_a_failed_fsync_of_sync_now_turns_the_replica_read_only(tmp_path, monkeypatch) -> None:
+    with LogStore(tmp_path / "m", SMALL) as master, LogStore(tmp_path / "r", SMALL) as replica:
+        fill(master, 40)
+        first = master.read_chunk(0, 2000)
+        replica.append_replicated(first, 0, sync_now=True)
+        durable = replica.durable_offset
+
+        def failing_sync(segment) -> None:
+            raise OSError(errno.EIO, "injected: EIO on fdatasync")
+
+        monkeypatch.setattr(Segment, "sync", failing_sync)
+        with pytest.raises(StoreError, match=r"read-only.*EIO"):
+            replica.append_replicated(master.read_chunk(durable, 2000), durable, sync_now=True)
+        assert replica.durable_offset == durable  # nothing past the failed fsync is said durable
+        monkeypatch.undo()
+        with pytest.raises(StoreError, match="read-only"):  # nor taken any more: the page cache may have lost it
+            replica.append_replicated(master.read_chunk(replica.end_offset, 2000), replica.end_offset)
 
 
 def test_truncate_keeps_the_cut_bytes_and_the_store_rebuilds_its_derived_files(tmp_path) -> None:

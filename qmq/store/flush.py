@@ -65,6 +65,9 @@ class Flusher:
         self.durable_offset = message_log.end_offset
         self.error: BaseException | None = None
         self.syncs = 0  # fsync rounds so far, for metrics and benchmarks
+        self.syncs_here = 0  # of which by `sync_now` on a caller's thread
+        self.last_sync_s = 0.0  # how long the last fsync took
+        self._sync_lock = threading.Lock()  # one fsync round (and its `on_synced`) at a time
         self._requested = 0  # highest offset someone waits for
         self._syncing = False
         self._arrivals = 0  # flush requests that came while the current fsync ran
@@ -83,6 +86,22 @@ class Flusher:
                 self._requested = offset
                 self._arrivals += self._syncing
                 self._cond.notify_all()
+
+    def sync_now(self) -> int:
+        """Fsync on the calling thread, at once, and settle every waiter it covers; the durable end.
+        For a caller with nothing else to do until its bytes are durable (a caught-up replica): it
+        saves `request`'s hand-off to the flusher thread and the wake-up back. Raises `FlushFailed`
+        when this fsync or an earlier one failed (the store is then read-only)."""
+        self.check()
+        end, error = self._sync()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        self._finish(end, error, loop)
+        self.syncs_here += 1
+        self.check()
+        return self.durable_offset
 
     def wait_durable(self, offset: int, timeout: float | None = None) -> None:
         """Block until everything before `offset` is durable. Raises `FlushFailed` or `TimeoutError`."""
@@ -126,32 +145,48 @@ class Flusher:
             since_last = time.monotonic() - last_sync
             if self.mode is FlushMode.SYNC and busy and since_last < self.commit_window_s and not stopping:
                 time.sleep(self.commit_window_s - since_last)
+            end, error = self._sync()
+            last_sync = time.monotonic()
+            with self._cond:
+                self._syncing = False
+            self._finish(end, error)
+            if stopping or error is not None:
+                return
+
+    def _sync(self) -> tuple[int, OSError | None]:
+        """One fsync round: the end it covers, or the error it met."""
+        with self._sync_lock:
+            started = time.monotonic()
             try:
                 end = self.message_log.sync()
-                error = None
                 if self.on_synced is not None:
                     self.on_synced(end)
             except OSError as exc:
                 log.critical("fsync of the message log failed, the store stops accepting writes: %s", exc)
-                error = exc
-            last_sync = time.monotonic()
-            with self._cond:
-                self._syncing = False
-                self.syncs += 1
-                if error is None:  # a failed append taken back meanwhile (store.py) lowered the end
-                    self.durable_offset = max(self.durable_offset, min(end, self.message_log.end_offset))
-                else:
-                    self.error = error
-                self._cond.notify_all()
-                loops = list(self._loops.values())
-            for waiters in loops:
-                if waiters.loop.is_closed():
-                    with self._cond:
-                        self._loops.pop(waiters.loop, None)
-                else:
-                    waiters.wake(self.durable_offset, self.error)
-            if stopping or error is not None:
-                return
+                return 0, exc
+            finally:
+                self.last_sync_s = time.monotonic() - started
+        return end, None
+
+    def _finish(self, end: int, error: OSError | None, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """After a round: move the durable end (or keep the error) and wake every waiter; those of
+        `loop` (the caller's own) are settled here, the others through their loops."""
+        with self._cond:
+            self.syncs += 1
+            if error is None:  # a failed append taken back meanwhile (store.py) lowered the end
+                self.durable_offset = max(self.durable_offset, min(end, self.message_log.end_offset))
+            elif self.error is None:
+                self.error = error
+            self._cond.notify_all()
+            loops = list(self._loops.values())
+        for waiters in loops:
+            if waiters.loop is loop:
+                waiters.settle(self.durable_offset, self.error)
+            elif waiters.loop.is_closed():
+                with self._cond:
+                    self._loops.pop(waiters.loop, None)
+            else:
+                waiters.wake(self.durable_offset, self.error)
 
     def forget_after(self, end: int) -> None:
         """The log was cut back to `end` (a failed append taken back): nothing past it is durable."""
@@ -186,9 +221,9 @@ class _LoopWaiters:
     def wake(self, durable: int, error: BaseException | None) -> None:
         """Called on the flusher thread after each round."""
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            self.loop.call_soon_threadsafe(self._settle, durable, error)
+            self.loop.call_soon_threadsafe(self.settle, durable, error)
 
-    def _settle(self, durable: int, error: BaseException | None) -> None:
+    def settle(self, durable: int, error: BaseException | None) -> None:
         pending = self.pending
         while pending and (error is not None or pending[0][0] <= durable):
             future = heapq.heappop(pending)[2]

@@ -40,7 +40,7 @@ from qmq.store.cross_check import checkpoint_problem
 from qmq.store.damage import Damage, DamagedRegion
 from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
 from qmq.store.files import fsync_dir, pwrite_all, read_json, write_json
-from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushMode
+from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushFailed, FlushMode
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.rebuild import rebuild_consume_log, rebuild_index
@@ -370,13 +370,15 @@ class LogStore:
             listener(end)
         return results
 
-    def append_replicated(self, data: bytes, offset: int) -> int:
+    def append_replicated(self, data: bytes, offset: int, *, sync_now: bool = False) -> int:
         """Append a chunk of the master's message log that begins at `offset` (this log's end):
         whole records, each CRC-checked before any is written (`ChunkError` otherwise), stored byte
         for byte in one write, their consume-log and index entries derived as recovery derives them
         (one write per subject's run of entries). Its fsync is asked for as soon as the log's bytes
         are written, before the derived files (which no acknowledgement waits for): durable once
-        `durable(end)` / `flushed(end)` says so. Returns the new end."""
+        `durable(end)` / `flushed(end)` says so. With `sync_now`, the fsync runs on this thread
+        instead, after the derived files, and the chunk is durable on return (`Flusher.sync_now`).
+        Returns the new end."""
         checked = check_chunk(data, offset)
         subjects = {}
         for subject_b, _first, _entries in checked.runs:
@@ -392,7 +394,8 @@ class LogStore:
                 )
             try:
                 self.message_log.append_chunk(data, checked.sizes)
-                self.flusher.request(self.message_log.end_offset)  # runs while the derived files are written
+                if not sync_now:
+                    self.flusher.request(self.message_log.end_offset)  # runs while the derived files are written
                 next_seq = self._next_seq
                 for subject_b, first, entries in checked.runs:
                     subject = subjects[subject_b]
@@ -408,6 +411,11 @@ class LogStore:
                 self._fail(exc, "replicated append")  # the replica refetches from its durable point after a reopen
                 raise StoreError(f"the store is read-only: {self.read_only_reason}") from exc
             end = self.message_log.end_offset
+        if sync_now:
+            try:
+                self.flusher.sync_now()
+            except FlushFailed as exc:
+                raise StoreError(f"the store is read-only: {self.read_only_reason}") from exc
         for listener in self.append_listeners:
             listener(end)
         return end
