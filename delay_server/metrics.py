@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from qmq.metrics import ReplicationMetrics, RequestMetrics, new_registry
+from qmq.metrics import ReplicationMetrics, RequestMetrics, StoreMetrics, new_registry
 
 if TYPE_CHECKING:
     from delay_server.scheduler import Scheduler
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 REGISTRY = new_registry()
 REQUESTS = RequestMetrics("qmq_delay", "delay server", REGISTRY)
 REPLICATION = ReplicationMetrics("qmq_delay", "delay server", REGISTRY)  # docs/replication.md
+STORE = StoreMetrics("qmq_delay", "delay server", REGISTRY)  # fsyncs: the server sets its `source`
 PENDING = Gauge("qmq_delay_pending", "Messages not yet delivered, by bucket", ["bucket"], registry=REGISTRY)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -144,4 +145,35 @@ class RequestMetrics:
         )
         for name, histogram in latency:
             seconds.add_metric([name], histogram.buckets(), histogram.total)
+        yield seconds
+
+
+class StoreMetrics:
+    """The message log's fsyncs, read at scrape time from the store's flusher that `source()` returns
+    (the store the server has now: a replica's is reopened after a cut): `<prefix>_fsyncs_total{thread}`,
+    by the flusher thread or by the caller's own (a caught-up replica's event loop), and
+    `<prefix>_fsync_seconds`. A slow disk shows here first: every acknowledgement waits for one."""
+
+    def __init__(self, prefix: str, server: str, registry: CollectorRegistry) -> None:
+        self.prefix = prefix
+        self.server = server
+        self.source: Callable[[], Any] = lambda: None  # -> qmq.store.flush.Flusher | None
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        flusher = self.source()
+        if flusher is None:
+            return
+        fsyncs = CounterMetricFamily(
+            f"{self.prefix}_fsyncs",
+            f"fsyncs of the {self.server}'s message log, by the thread that ran them",
+            labels=["thread"],
+        )
+        fsyncs.add_metric(["flusher"], flusher.syncs - flusher.syncs_here)
+        fsyncs.add_metric(["caller"], flusher.syncs_here)
+        yield fsyncs
+        seconds = HistogramMetricFamily(
+            f"{self.prefix}_fsync_seconds", f"Time of each fsync of the {self.server}'s message log"
+        )
+        seconds.add_metric([], flusher.sync_seconds.buckets(), flusher.sync_seconds.total)
         yield seconds

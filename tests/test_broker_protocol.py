@@ -3,9 +3,7 @@ with a real meta server and its read-only flag, metrics, and consumption state a
 
 from __future__ import annotations
 
-import re
 import signal
-import urllib.request
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +18,7 @@ from qmq.protocol.errors import ErrorCode, RemoteError
 from qmq.protocol.frame import LENGTH, Flags, Frame, encode_frame
 from qmq.protocol.limits import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES
 from tests.support.broker import HOST, Broker, RawConsumer, restart_broker, send, start_broker
+from tests.support.metrics import sample, scrape
 from tests.support.processes import ProcessManager, free_port, wait_for_port
 from tests.test_meta import log_text, start_meta, wait_until
 from tests.test_net import assert_connection_error_frame, raw_exchange
@@ -342,20 +341,6 @@ def test_registers_in_its_group_follows_the_read_only_flag_and_unregisters_at_si
 # -- metrics ------------------------------------------------------------------------------------------
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
-
-
-def sample(text: str, name: str, **labels: str) -> float | None:
-    """The value of the sample `name` with exactly `labels` (in any order), or None."""
-    for line in text.splitlines():
-        match = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
-        if match and match.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or "")) == labels:
-            return float(match.group(3))
-    return None
-
-
 def test_metrics_count_stored_messages_and_requests_and_show_group_gauges(processes, tmp_path) -> None:
     metrics_port = free_port()
     # A consumer timeout of 12 s sweeps (and refreshes the gauges) every 3 s, and keeps c2's messages
@@ -382,6 +367,11 @@ def test_metrics_count_stored_messages_and_requests_and_show_group_gauges(proces
     assert sample(text, "qmq_broker_request_errors_total", request="broker_pull", error="BAD_REQUEST") == 1
     assert sample(text, "qmq_broker_read_only") == 0
     assert sample(text, "qmq_broker_messages_stored_total", subject="%ACTION%") is None  # journal not counted
+    fsyncs = sample(text, "qmq_broker_fsyncs_total", thread="flusher")
+    assert fsyncs is not None and fsyncs >= 3  # each send and pull waited for one (acks are journalled too)
+    assert sample(text, "qmq_broker_fsyncs_total", thread="caller") == 0  # only a caught-up replica syncs itself
+    assert sample(text, "qmq_broker_fsync_seconds_count") >= fsyncs  # observed as each one ends
+    assert sample(text, "qmq_broker_fsync_seconds_sum") > 0
 
     def gauges() -> str | None:
         text = scrape(metrics_port)

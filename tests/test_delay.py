@@ -19,6 +19,7 @@ from qmq.client import Client, OutgoingMessage
 from qmq.protocol.errors import ErrorCode
 from tests.support.broker import ROOT, restart_broker, start_broker
 from tests.support.delay import Arrivals, dispatched_ids, restart_delay_server, start_delay_server
+from tests.support.metrics import sample
 from tests.support.processes import free_port
 from tests.test_meta import log_text, start_meta, wait_until
 
@@ -202,6 +203,9 @@ def test_broker_down_when_messages_come_due_then_metrics_and_sigterm(processes, 
     assert "qmq_delay_fired_total 50.0" in text
     assert "qmq_delay_lateness_seconds_count 50.0" in text
     assert "qmq_delay_delivery_failures_total" in text
+    flusher = sample(text, "qmq_delay_fsyncs_total", thread="flusher")
+    assert flusher is not None and flusher >= 1  # the 50 messages were durable before they were accepted
+    assert sample(text, "qmq_delay_fsync_seconds_count") >= flusher
     delay.proc.send_signal(signal.SIGTERM)
     assert delay.proc.wait(timeout=30) == 0
     assert "delay server stopped" in log_text(delay.proc)

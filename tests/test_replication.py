@@ -17,12 +17,15 @@ from qmq.client import Client, OutgoingMessage
 from qmq.protocol.errors import ErrorCode, RemoteError
 from tests.support.broker import restart_broker, send
 from tests.support.databases import fresh_database
+from tests.support.metrics import sample, scrape
+from tests.support.processes import free_port, wait_for_port
 from tests.support.replication import (
     HOST,
     admin_failover,
     meta_in_sync,
     replication,
     start_group,
+    start_member,
     start_meta,
     wait_for,
     wait_in_sync,
@@ -245,3 +248,26 @@ def test_master_back_on_a_wiped_disk_before_the_failover_is_not_master_again(pro
     assert promoted["log_end"] == replication(a)["log_end"] > 0
     consumed = consume(meta, {f"w-{i:05d}" for i in range(1000)})
     assert {f"w-{i:05d}" for i in range(1000)} <= set(consumed)
+
+
+def test_a_caught_up_replica_fsyncs_each_chunk_on_its_own_loop_and_its_metrics_say_so(
+    processes, tmp_path, meta
+) -> None:
+    """Each acknowledged send waited for the replica's fsync of its chunk, which a caught-up replica runs
+    on its event loop (`Flusher.sync_now`), not through its flusher thread: `thread="caller"`."""
+    metrics_port = free_port()
+    a = start_member(processes, tmp_path / "a", meta, "g1", name="a")
+    wait_role(a, "master")
+    b = start_member(processes, tmp_path / "b", meta, "g1", "--metrics-port", str(metrics_port), name="b")
+    wait_role(b, "replica")
+    wait_for_port(metrics_port, b.proc)
+    wait_in_sync(a, b)
+    meta_in_sync(meta, "g1", b)
+    before = sample(scrape(metrics_port), "qmq_broker_fsyncs_total", thread="caller")
+    with Client(meta=meta) as client:
+        for i in range(20):  # one at a time: each is acknowledged once the replica has it durable
+            assert client.send([OutgoingMessage(SUBJECT, f"m{i}")])[0].ok
+    text = scrape(metrics_port)
+    assert before is not None and sample(text, "qmq_broker_fsyncs_total", thread="caller") > before
+    total = sum(sample(text, "qmq_broker_fsyncs_total", thread=t) for t in ("caller", "flusher"))
+    assert sample(text, "qmq_broker_fsync_seconds_count") >= total

@@ -14,10 +14,11 @@ from typing import Any
 from prometheus_client import Gauge
 from prometheus_client.core import CounterMetricFamily
 
-from qmq.metrics import ReplicationMetrics, RequestMetrics, new_registry
+from qmq.metrics import ReplicationMetrics, RequestMetrics, StoreMetrics, new_registry
 
 REGISTRY = new_registry()
 REQUESTS = RequestMetrics("qmq_broker", "broker", REGISTRY)
+STORE = StoreMetrics("qmq_broker", "broker", REGISTRY)  # fsyncs: the server sets its `source`
 BACKLOG = Gauge(
     "qmq_broker_backlog",
     "Messages not yet handed to any consumer of the group",

@@ -84,6 +84,7 @@ async def serve_broker(
             ack_replicas=ack_replicas,
             max_lag_s=max_lag_s,
         )
+        metrics.STORE.source = lambda: roles.store.flusher  # the store of now: a replica's is reopened after a cut
         if stop is None:
             stop = stop_on_signals()
         if metrics_port is not None:

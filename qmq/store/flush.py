@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from enum import StrEnum
 
+from qmq.metrics import Histogram
 from qmq.store.message_log import MessageLog
 
 log = logging.getLogger("qmq.store")
@@ -30,6 +31,8 @@ DEFAULT_ASYNC_INTERVAL_MS = 500
 # send followed by its consumer's pull and ack) the flush starts at once, so they pay no delay.
 DEFAULT_COMMIT_WINDOW_MS = 1.0
 COMMIT_SIBLINGS = 4
+# The time of each fsync, for `<server>_fsync_seconds` (qmq/metrics.py `StoreMetrics`).
+FSYNC_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
 class FlushMode(StrEnum):
@@ -67,6 +70,7 @@ class Flusher:
         self.syncs = 0  # fsync rounds so far, for metrics and benchmarks
         self.syncs_here = 0  # of which by `sync_now` on a caller's thread
         self.last_sync_s = 0.0  # how long the last fsync took
+        self.sync_seconds = Histogram(FSYNC_BUCKETS_S)  # every fsync round's time
         self._sync_lock = threading.Lock()  # one fsync round (and its `on_synced`) at a time
         self._requested = 0  # highest offset someone waits for
         self._syncing = False
@@ -166,6 +170,7 @@ class Flusher:
                 return 0, exc
             finally:
                 self.last_sync_s = time.monotonic() - started
+                self.sync_seconds.observe(self.last_sync_s)
         return end, None
 
     def _finish(self, end: int, error: OSError | None, loop: asyncio.AbstractEventLoop | None = None) -> None:
