@@ -265,7 +265,7 @@ def test_a_caught_up_replica_fsyncs_each_chunk_on_its_own_loop_and_its_metrics_s
     meta_in_sync(meta, "g1", b)
     before = sample(scrape(metrics_port), "qmq_broker_fsyncs_total", thread="caller")
     with Client(meta=meta) as client:
-        for i in range(20):  # one at a time: each is acknowledged once the replica has it durable
+        for i in range(50):  # one at a time: each is acknowledged once the replica has it durable
             assert client.send([OutgoingMessage(SUBJECT, f"m{i}")])[0].ok
     text = scrape(metrics_port)
     assert before is not None and sample(text, "qmq_broker_fsyncs_total", thread="caller") > before
