@@ -52,6 +52,40 @@ def test_first_reporter_is_master_and_a_silent_master_is_replaced(engine, clock)
     assert e.sweep() == []
 
 
+def test_a_master_every_in_sync_replica_lost_is_replaced_one_heartbeat_interval_sooner(engine, clock) -> None:
+    """A crashed master's connections close at once: when every live in-sync replica says, after the
+    master's last report, that it cannot reach it, failover_after less one heartbeat interval (10 s /
+    4) is enough, so a failover counted from the crash stays under failover_after."""
+    e = election(engine, clock, "meta-1")
+    e.report("a:1", "g1", "pending", 0, 0, None)
+    for replica in ("b:1", "c:1"):
+        e.report(replica, "g1", "replica", 1, 500, None)
+    e.report("a:1", "g1", "master", 1, 600, ["b:1", "c:1"])
+    clock.advance(AFTER_S * 0.7)  # not yet failover_after less an interval (7.5 s)
+    for replica in ("b:1", "c:1"):
+        e.report(replica, "g1", "replica", 1, 500, None, master_lost=True)
+    assert e.sweep() == []
+    clock.advance(AFTER_S * 0.1)
+    e.report("b:1", "g1", "replica", 1, 500, None, master_lost=True)
+    e.report("c:1", "g1", "replica", 1, 510, None)  # c still reaches the master (a split, not a crash)
+    assert e.sweep() == []
+    e.report("c:1", "g1", "replica", 1, 510, None, master_lost=True)
+    [failover] = e.sweep()
+    assert (failover.epoch, failover.master, failover.old_master) == (2, "c:1", "a:1")
+    assert "every in-sync replica lost its connection" in failover.reason
+
+    # Lost reports older than the master's last report say nothing of it now.
+    e.report("x:1", "g2", "pending", 0, 0, None)
+    e.report("y:1", "g2", "replica", 1, 100, None, master_lost=True)
+    e.report("x:1", "g2", "master", 1, 100, ["y:1"])
+    clock.advance(AFTER_S * 0.9)
+    assert e.sweep() == []
+    clock.advance(AFTER_S * 0.2)  # failover_after: silent is silent
+    e.report("y:1", "g2", "replica", 1, 100, None)
+    [failover] = e.sweep()
+    assert (failover.group, failover.master) == ("g2", "y:1") and "master silent" in failover.reason
+
+
 def test_no_in_sync_replica_means_no_failover(engine, clock) -> None:
     e = election(engine, clock, "meta-1")
     e.report("a:1", "g1", "master", 1, 100, [])

@@ -271,3 +271,16 @@ def test_a_caught_up_replica_fsyncs_each_chunk_on_its_own_loop_and_its_metrics_s
     assert before is not None and sample(text, "qmq_broker_fsyncs_total", thread="caller") > before
     total = sum(sample(text, "qmq_broker_fsyncs_total", thread=t) for t in ("caller", "flusher"))
     assert sample(text, "qmq_broker_fsync_seconds_count") >= total
+
+
+def test_a_killed_master_is_replaced_sooner_once_its_replica_lost_its_connection(processes, tmp_path, pg_url) -> None:
+    """SIGKILL closes the master's sockets at once: the replica says `master_lost` in its heartbeats,
+    and the meta server promotes it one heartbeat interval before --failover-after (8 s here, so 6 s:
+    two seconds for the replica's word to arrive first)."""
+    with fresh_database(pg_url) as url:
+        meta_proc, meta_port = start_meta(processes, url, "--failover-after", "8")
+        meta = f"{HOST}:{meta_port}"
+        a, b = start_group(processes, tmp_path, meta)
+        processes.kill(a.proc, signal.SIGKILL)
+        wait_role(b, "master", timeout=30, epoch=2)
+        assert "every in-sync replica lost its connection" in meta_proc.log_path.read_text(errors="replace")

@@ -5,7 +5,12 @@ liveness loop.
 - The first server of a group to report becomes its master, with epoch 1.
 - A master reports which replicas are in sync; only those may be promoted.
 - When the master has not reported for `failover_after_s`, the live replica that was in sync with
-  the highest message-log end becomes master with the next epoch. The bump is a compare-and-set
+  the highest message-log end becomes master with the next epoch. When every live in-sync replica
+  also said, after the master's last report, that it cannot reach the master (a crashed process:
+  its connections close at once), one heartbeat interval less is enough: the master's last report
+  may be up to an interval old when it dies, so a failover counted from the crash stays under
+  `failover_after_s`. A master cut off from the meta server fences itself after half of
+  `failover_after_s` (qmq/replication/roles.py), before either rule can promote another. The bump is a compare-and-set
   (`epoch = epoch + 1 WHERE epoch = seen`), and only the meta server holding the `failover` lease
   decides at a time, so several meta servers on one database never promote two masters.
 - A master that reports a log shorter than an in-sync replica's (it came back with a wiped disk) is
@@ -30,11 +35,20 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from qmq.meta import schema
+from qmq.meta.registry import HEARTBEAT_INTERVAL_S
 from qmq.meta.schema import as_utc
 
 log = logging.getLogger("qmq.meta")
 
 FAILOVER_AFTER_S = 10.0  # a master silent this long is replaced by an in-sync replica
+HEARTBEATS_PER_FAILOVER = 4  # replicating servers heartbeat this often within failover_after
+
+
+def heartbeat_interval_s(failover_after_s: float) -> float:
+    """How often the servers of a replicated group are asked to heartbeat."""
+    return min(HEARTBEAT_INTERVAL_S, failover_after_s / HEARTBEATS_PER_FAILOVER)
+
+
 LEASE_NAME = "failover"
 WRITE_ATTEMPTS = 3
 
@@ -93,6 +107,8 @@ class Election:
             raise ValueError("failover_after_s must be positive")
         self.engine = engine
         self.failover_after = timedelta(seconds=failover_after_s)
+        # A master every in-sync replica has lost is replaced one heartbeat interval sooner.
+        self.failover_after_lost = self.failover_after - timedelta(seconds=heartbeat_interval_s(failover_after_s))
         self.lease_for = timedelta(seconds=max(1.0, failover_after_s / 2))
         self.clock = clock
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -101,15 +117,23 @@ class Election:
     # -- heartbeats -------------------------------------------------------------------------------
 
     def report(
-        self, address: str, group: str, role: str, epoch: int, log_end: int, in_sync: list[str] | None
+        self,
+        address: str,
+        group: str,
+        role: str,
+        epoch: int,
+        log_end: int,
+        in_sync: list[str] | None,
+        master_lost: bool = False,
     ) -> Assignment:
         """Record a replicating server's heartbeat; its group's epoch and master. A master's
-        `in_sync` list (for its own epoch) is kept for the next failover."""
+        `in_sync` list (for its own epoch) is kept for the next failover; a replica's `master_lost`
+        (it cannot reach its master) can make that failover sooner."""
         now = self.clock()
         for attempt in range(WRITE_ATTEMPTS):
             try:
                 with self.engine.begin() as conn:
-                    return self._report(conn, now, address, group, role, epoch, log_end, in_sync)
+                    return self._report(conn, now, address, group, role, epoch, log_end, in_sync, master_lost)
             except sa.exc.IntegrityError:  # another meta server inserted the same row first
                 if attempt == WRITE_ATTEMPTS - 1:
                     raise
@@ -125,8 +149,16 @@ class Election:
         epoch: int,
         log_end: int,
         in_sync: list[str] | None,
+        master_lost: bool = False,
     ) -> Assignment:
-        values = {"group_name": group, "role": role, "epoch": epoch, "log_end": log_end, "reported_at": now}
+        values = {
+            "group_name": group,
+            "role": role,
+            "epoch": epoch,
+            "log_end": log_end,
+            "reported_at": now,
+            "master_lost": master_lost,
+        }
         updated = conn.execute(schema.replica.update().where(schema.replica.c.address == address).values(**values))
         if updated.rowcount == 0:
             conn.execute(schema.replica.insert().values(address=address, **values))
@@ -318,6 +350,12 @@ class Election:
         master = conn.execute(sa.select(schema.replica).where(schema.replica.c.address == row.master)).first()
         if master is not None and master.group_name == row.group_name:
             alive = now - as_utc(master.reported_at) <= self.failover_after
+            if alive and self._lost_by_replicas(conn, now, row, master):
+                silent = (
+                    f"no heartbeat for {self.failover_after_lost.total_seconds():g} s, "
+                    "and every in-sync replica lost its connection"
+                )
+                return self._promote(conn, now, row, f"master gone ({silent})")
             if alive and master.epoch <= row.epoch:
                 best = self._best_in_sync(conn, now, row)
                 # Only a master report newer than the replica's can show a lost log: a replica's log is
@@ -337,16 +375,30 @@ class Election:
         silent = "never reported" if master is None else f"no heartbeat for {self.failover_after.total_seconds():g} s"
         return self._promote(conn, now, row, f"master silent ({silent})")
 
+    def _lost_by_replicas(self, conn: Connection, now: datetime, row, master) -> bool:
+        """Whether the master is silent for `failover_after_lost` and every live in-sync replica
+        (one at least) reported since the master's last report that it cannot reach it."""
+        last = as_utc(master.reported_at)
+        if now - last <= self.failover_after_lost:
+            return False
+        live = self._live_in_sync(conn, now, row)
+        return bool(live) and all(r.master_lost and as_utc(r.reported_at) > last for r in live)
+
     def _best_in_sync(self, conn: Connection, now: datetime, row, only: str | None = None):
+        candidates = self._live_in_sync(conn, now, row, only)
+        return max(candidates, key=lambda r: (r.log_end, r.address), default=None)
+
+    def _live_in_sync(self, conn: Connection, now: datetime, row, only: str | None = None) -> list:
+        """The group's replicas the master last listed in sync (or just `only`) that reported within
+        `failover_after`: the ones a failover may promote."""
         in_sync = set(filter(None, row.in_sync.split(",")))
         if only is not None:
             in_sync &= {only}
-        candidates = [
+        return [
             r
             for r in conn.execute(sa.select(schema.replica).where(schema.replica.c.group_name == row.group_name)).all()
             if r.address in in_sync and r.address != row.master and now - as_utc(r.reported_at) <= self.failover_after
         ]
-        return max(candidates, key=lambda r: (r.log_end, r.address), default=None)
 
     def _promote(self, conn: Connection, now: datetime, row, reason: str, only: str | None = None) -> Failover | None:
         best = self._best_in_sync(conn, now, row, only)

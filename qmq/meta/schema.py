@@ -87,6 +87,8 @@ replica = sa.Table(
     sa.Column("epoch", sa.Integer(), nullable=False),
     sa.Column("log_end", sa.BigInteger(), nullable=False),
     sa.Column("reported_at", sa.DateTime(timezone=True), nullable=False),
+    # In its last report, this replica could not reach its master (election.py: an earlier failover)
+    sa.Column("master_lost", sa.Boolean(), nullable=False, server_default=sa.false()),
 )
 sa.Index("ix_qmq_meta_replica_group_name", replica.c.group_name)
 

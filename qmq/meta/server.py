@@ -23,7 +23,7 @@ from qmq.db.engine import create_engine, safe_url
 from qmq.db.migrate import upgrade
 from qmq.meta import ordering
 from qmq.meta.credentials import CredentialStore, LocalAuthenticator, credential_handlers
-from qmq.meta.election import FAILOVER_AFTER_S, Election, ForgetRefused
+from qmq.meta.election import FAILOVER_AFTER_S, Election, ForgetRefused, heartbeat_interval_s
 from qmq.meta.listeners import external_view, internal_view, viewed
 from qmq.meta.registry import (
     HEARTBEAT_INTERVAL_S,
@@ -46,7 +46,6 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 20880
 MAX_SWEEP_INTERVAL_S = 1.0
 FAILOVER_SWEEP_S = 0.25  # silent masters are looked for this often (a read, and the lease renewal)
-HEARTBEATS_PER_FAILOVER = 4  # replicating servers heartbeat this often within --failover-after
 ROLES = ("master", "replica", "pending")  # the liveness sweep runs at least this often (more often for short timeouts)
 
 T = TypeVar("T")
@@ -141,7 +140,8 @@ class MetaService(Service):
         if in_sync is not None and not (isinstance(in_sync, list) and all(isinstance(a, str) for a in in_sync)):
             raise bad("field 'in_sync' must be a list of addresses")
         key = group if kind == "broker" else f"{DELAY_GROUP_PREFIX}{group}"
-        assigned = await self._db(self.election.report, address, key, role, epoch, log_end, in_sync)
+        master_lost = field(body, "master_lost", bool, False)  # a replica cannot reach its master
+        assigned = await self._db(self.election.report, address, key, role, epoch, log_end, in_sync, master_lost)
         failover_after_s = self.election.failover_after.total_seconds()
         return {
             "role": assigned.role_of(address),
@@ -150,7 +150,7 @@ class MetaService(Service):
             "members": assigned.members,
             "peers": list(assigned.peers),
             "failover_after_s": failover_after_s,
-            "heartbeat_interval_s": min(HEARTBEAT_INTERVAL_S, failover_after_s / HEARTBEATS_PER_FAILOVER),
+            "heartbeat_interval_s": heartbeat_interval_s(failover_after_s),
         }
 
     async def _unregister(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -100,6 +100,7 @@ class Fetcher:
         self.master_replicated_upto: int | None = None  # every replica holds the log below it, said the master
         self.damaged_at: int | None = None  # a record of the master's that failed its CRC here: told in the next fetch
         self.fetches = 0
+        self.unreachable = False  # the last fetch could not reach the master (told to the meta server)
         self.durable = store.durable_offset  # durable here, and `on_durable` ran up to it
         self.reported = -1  # the highest `durable` sent to the master on this connection
         self.pipelined = False  # this connection's master reads `durable` (it said so in a reply)
@@ -195,6 +196,7 @@ class Fetcher:
                 if failures:
                     log.info("fetching from master %s again", self.master)
                 failures = 0
+                self.unreachable = False
                 continue
             except RemoteError as exc:
                 if failures == 0:
@@ -205,6 +207,7 @@ class Fetcher:
                 if failures == 0:
                     log.warning("cannot fetch from master %s: %s", self.master, exc)
                 await self._drop_connection()
+                self.unreachable = True
                 self.on_unreachable()  # the meta server may have promoted someone: ask it now
             except StoreError as exc:  # read-only (out of space, a failed fsync): nothing to copy into
                 if failures == 0:

@@ -234,6 +234,8 @@ class Roles:
             self._sent_in_sync = (self.epoch, self._reported_in_sync)
         else:
             self._sent_in_sync = None
+        if self.role is Role.REPLICA and self.fetcher is not None and self.fetcher.unreachable:
+            body["master_lost"] = True  # with every in-sync replica saying so, the failover comes sooner
         return body
 
     def on_meta_reply(self, reply: dict[str, Any]) -> None:
