@@ -5,14 +5,14 @@ liveness loop.
 - The first server of a group to report becomes its master, with epoch 1.
 - A master reports which replicas are in sync; only those may be promoted.
 - When the master has not reported for `failover_after_s`, the live replica that was in sync with
-  the highest message-log end becomes master with the next epoch. When every live in-sync replica
-  also said, after the master's last report, that it cannot reach the master (a crashed process:
-  its connections close at once), one heartbeat interval less is enough: the master's last report
-  may be up to an interval old when it dies, so a failover counted from the crash stays under
-  `failover_after_s`. A master cut off from the meta server fences itself after half of
-  `failover_after_s` (qmq/replication/roles.py), before either rule can promote another. The bump is a compare-and-set
+  the highest message-log end becomes master with the next epoch. The bump is a compare-and-set
   (`epoch = epoch + 1 WHERE epoch = seen`), and only the meta server holding the `failover` lease
   decides at a time, so several meta servers on one database never promote two masters.
+- When every live in-sync replica also said, after the master's last report, that it cannot reach
+  the master (a crashed process: its connections close at once), one heartbeat interval less is
+  enough: the master's last report may be up to an interval old when it dies, so a failover counted
+  from the crash stays under `failover_after_s`. A master cut off from the meta server fences itself
+  after half of `failover_after_s` (qmq/replication/roles.py), before either rule can promote another.
 - A master that reports a log shorter than an in-sync replica's (it came back with a wiped disk) is
   replaced the same way at once: it would otherwise hand out a log that lost acknowledged messages.
   A master still serving its epoch is not judged so: its report may be older than the replica's.
@@ -42,15 +42,13 @@ log = logging.getLogger("qmq.meta")
 
 FAILOVER_AFTER_S = 10.0  # a master silent this long is replaced by an in-sync replica
 HEARTBEATS_PER_FAILOVER = 4  # replicating servers heartbeat this often within failover_after
+LEASE_NAME = "failover"
+WRITE_ATTEMPTS = 3
 
 
 def heartbeat_interval_s(failover_after_s: float) -> float:
     """How often the servers of a replicated group are asked to heartbeat."""
     return min(HEARTBEAT_INTERVAL_S, failover_after_s / HEARTBEATS_PER_FAILOVER)
-
-
-LEASE_NAME = "failover"
-WRITE_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
