@@ -92,6 +92,18 @@ class Failover:
     reason: str
 
 
+@dataclass(frozen=True)
+class Reported:
+    """What one heartbeat of a replicating server said."""
+
+    address: str
+    group: str
+    role: str
+    epoch: int
+    log_end: int
+    master_lost: bool  # a replica that cannot reach its master
+
+
 class Election:
     def __init__(
         self,
@@ -128,34 +140,25 @@ class Election:
         `in_sync` list (for its own epoch) is kept for the next failover; a replica's `master_lost`
         (it cannot reach its master) can make that failover sooner."""
         now = self.clock()
+        reported = Reported(address, group, role, epoch, log_end, master_lost)
         for attempt in range(WRITE_ATTEMPTS):
             try:
                 with self.engine.begin() as conn:
-                    return self._report(conn, now, address, group, role, epoch, log_end, in_sync, master_lost)
+                    return self._report(conn, now, reported, in_sync)
             except sa.exc.IntegrityError:  # another meta server inserted the same row first
                 if attempt == WRITE_ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
 
-    def _report(
-        self,
-        conn: Connection,
-        now: datetime,
-        address: str,
-        group: str,
-        role: str,
-        epoch: int,
-        log_end: int,
-        in_sync: list[str] | None,
-        master_lost: bool = False,
-    ) -> Assignment:
+    def _report(self, conn: Connection, now: datetime, reported: Reported, in_sync: list[str] | None) -> Assignment:
+        address, group, role = reported.address, reported.group, reported.role
         values = {
             "group_name": group,
             "role": role,
-            "epoch": epoch,
-            "log_end": log_end,
+            "epoch": reported.epoch,
+            "log_end": reported.log_end,
             "reported_at": now,
-            "master_lost": master_lost,
+            "master_lost": reported.master_lost,
         }
         updated = conn.execute(schema.replica.update().where(schema.replica.c.address == address).values(**values))
         if updated.rowcount == 0:
@@ -171,8 +174,8 @@ class Election:
             peers = self._peers(conn, group, address)
             return Assignment(group, 1, address, len(peers), peers)
         if row.master == address and role != "master":
-            row = self._replace_if_log_lost(conn, now, row, log_end)
-        if row.master == address and role == "master" and epoch == row.epoch and in_sync is not None:
+            row = self._replace_if_log_lost(conn, now, row, reported.log_end)
+        if row.master == address and role == "master" and reported.epoch == row.epoch and in_sync is not None:
             listed = ",".join(sorted(in_sync))
             if listed != row.in_sync:
                 conn.execute(
