@@ -169,7 +169,7 @@ class StoreMetrics:
             f"fsyncs of the {self.server}'s message log, by the thread that ran them",
             labels=["thread"],
         )
-        fsyncs.add_metric(["flusher"], flusher.syncs - flusher.syncs_here)
+        fsyncs.add_metric(["flusher"], flusher.syncs_by_thread)
         fsyncs.add_metric(["caller"], flusher.syncs_here)
         yield fsyncs
         seconds = HistogramMetricFamily(

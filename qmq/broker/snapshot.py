@@ -14,9 +14,10 @@ the log's start, is left for when none qualifies.
 
 A master of a replicated group also keeps the newest snapshot at or below what every replica it
 knows holds durable (`replicated_upto`), as `consumers.snapshot.replicated`, once the three newest
-are all past it. A failover cannot cut the log below that point (the new master is a replica), so
-however long a split lasts while consumers go on using the deposed master, a cut finds a snapshot to
-go on from, as long as retention kept the journal after it.
+are all past it; its replicas do the same with that offset as the master tells it to them. A
+failover cannot cut the log below that point (the new master is a replica), so however long a split
+lasts while consumers go on using the deposed master, a cut finds a snapshot to go on from, as long
+as retention kept the journal after it.
 
 Saving rotates the files (`.1` to `.2`, the newest to `.1`, each an atomic rename) and then writes
 the new one atomically; a crash in between leaves whole snapshots only, and `load` takes the newest
@@ -121,8 +122,8 @@ def save(
     """Save `snapshot` (its journal records all end at or before `log_end`, if known, and are
     durable) as the newest; the one it replaces is kept as the previous generation unless it covers
     the same journal, and the oldest beyond `KEPT_SNAPSHOTS` goes, or is set aside if it is the
-    newest at or below `replicated_upto` (a replicated master's: every replica holds the log before
-    it durable). Blocking."""
+    newest at or below `replicated_upto` (in a replicated group, where every replica holds the log
+    durable, as the master knows it). Blocking."""
     directory.mkdir(parents=True, exist_ok=True)
     newest = directory / FILE_NAME
     body = snapshot if log_end is None else {"log_end": log_end, **snapshot}  # first: peeked at

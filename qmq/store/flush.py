@@ -67,8 +67,10 @@ class Flusher:
         self.commit_window_s = commit_window_ms / 1000
         self.durable_offset = message_log.end_offset
         self.error: BaseException | None = None
-        self.syncs = 0  # fsync rounds so far, for metrics and benchmarks
-        self.syncs_here = 0  # of which by `sync_now` on a caller's thread
+        # fsync rounds so far, by the flusher thread and by `sync_now` on a caller's thread: two
+        # counters, each only ever growing, as the metrics that read them must (qmq/metrics.py)
+        self.syncs_by_thread = 0
+        self.syncs_here = 0
         self.last_sync_s = 0.0  # how long the last fsync took
         self.sync_seconds = Histogram(FSYNC_BUCKETS_S)  # every fsync round's time
         self._sync_lock = threading.Lock()  # one fsync round (and its `on_synced`) at a time
@@ -91,6 +93,11 @@ class Flusher:
                 self._arrivals += self._syncing
                 self._cond.notify_all()
 
+    @property
+    def syncs(self) -> int:
+        """fsync rounds so far, for benchmarks and tests."""
+        return self.syncs_by_thread + self.syncs_here
+
     def sync_now(self) -> int:
         """Fsync on the calling thread, at once, and settle every waiter it covers; the durable end.
         For a caller with nothing else to do until its bytes are durable (a caught-up replica): it
@@ -103,7 +110,6 @@ class Flusher:
         except RuntimeError:
             loop = None
         self._finish(end, error, loop)
-        self.syncs_here += 1
         self.check()
         return self.durable_offset
 
@@ -153,7 +159,7 @@ class Flusher:
             last_sync = time.monotonic()
             with self._cond:
                 self._syncing = False
-            self._finish(end, error)
+            self._finish(end, error, thread=True)
             if stopping or error is not None:
                 return
 
@@ -173,11 +179,17 @@ class Flusher:
                 self.sync_seconds.observe(self.last_sync_s)
         return end, None
 
-    def _finish(self, end: int, error: OSError | None, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """After a round: move the durable end (or keep the error) and wake every waiter; those of
-        `loop` (the caller's own) are settled here, the others through their loops."""
+    def _finish(
+        self, end: int, error: OSError | None, loop: asyncio.AbstractEventLoop | None = None, *, thread: bool = False
+    ) -> None:
+        """After a round (the flusher `thread`'s, or a caller's): move the durable end (or keep the
+        error) and wake every waiter; those of `loop` (the caller's own) are settled here, the
+        others through their loops."""
         with self._cond:
-            self.syncs += 1
+            if thread:
+                self.syncs_by_thread += 1
+            else:
+                self.syncs_here += 1
             if error is None:  # a failed append taken back meanwhile (store.py) lowered the end
                 self.durable_offset = max(self.durable_offset, min(end, self.message_log.end_offset))
             elif self.error is None:
