@@ -29,6 +29,7 @@ from qmq import metrics as prometheus
 from qmq.client.aio import AsyncClient
 from qmq.net.server import Server, run_process, stop_on_signals
 from qmq.replication.roles import Roles, join
+from qmq.store import speedups
 from qmq.store import store as log_store
 from qmq.store.followers import MAX_LAG_S
 from qmq.store.store import DEFAULT_CLEAN_INTERVAL_S, LogStore, StoreConfig
@@ -122,6 +123,7 @@ async def serve_delay_server(
         membership = None
         if meta:
             membership = join(roles, meta, kind="delay", external_address=advertise_external, replicated=replicated)
+        speedups.log_in_use(log)
         log.info(
             "delay server ready on %s in %.2f s (data %s, %d-minute buckets, delivering via %s%s%s)",
             address,

@@ -47,8 +47,19 @@ if [ ! -x "$VENV/bin/python" ]; then
         "$PY" -m venv "$VENV"
     fi
 fi
+# The store's compiled loops (setup.py, qmq/store/_speedups.pyx) need a C compiler and zlib's
+# headers; without them qmq installs anyway and runs its pure-Python loops, slower.
+if ! command -v cc >/dev/null; then
+    apt_install gcc libc6-dev || say "no C compiler: the store's loops will run in pure Python"
+fi
+if ! echo '#include <zlib.h>' | cc -E - >/dev/null 2>&1; then
+    apt_install zlib1g-dev || say "no zlib headers: the store's loops will run in pure Python"
+fi
+if ! "$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+    apt_install python3-dev || say "no Python headers: the store's loops will run in pure Python"
+fi
 STAMP="$VENV/.qmq-installed"
-WANT=$(cat pyproject.toml | sha1sum | cut -d' ' -f1)
+WANT=$(cat pyproject.toml setup.py qmq/store/_speedups.pyx | sha1sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     say "installing qmq with test extras into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
@@ -120,4 +131,5 @@ fi
 if [ ! -x /usr/bin/chromium ]; then
     apt_install chromium chromium-driver || die "Chromium is missing and cannot be installed here: install Debian's chromium package (or set QMQ_CHROMIUM to a Chromium binary)"
 fi
+say "$("$VENV/bin/python" -c 'from qmq.store import speedups; print(speedups.describe())')"
 say "ready: $VENV"

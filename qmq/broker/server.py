@@ -18,6 +18,7 @@ from qmq.broker.roles import BrokerDuty
 from qmq.broker.state_copy import discard_interrupted
 from qmq.net.server import Server, run_process, stop_on_signals
 from qmq.replication.roles import Roles, join
+from qmq.store import speedups
 from qmq.store.flush import FlushMode
 from qmq.store.followers import MAX_LAG_S
 from qmq.store.store import DEFAULT_CLEAN_INTERVAL_S, LogStore, StoreConfig
@@ -95,6 +96,7 @@ async def serve_broker(
         membership = None
         if meta:
             membership = join(roles, meta, kind="broker", external_address=advertise_external)
+        speedups.log_in_use(log)
         log.info(
             "broker group %s ready on %s (data %s, flush %s%s)",
             group_name,

@@ -20,6 +20,7 @@ import os
 import struct
 from pathlib import Path
 
+from qmq.store import speedups
 from qmq.store.disk_space import reserve_written
 from qmq.store.files import TMP_SUFFIX, replace_durably, tmp_path
 from qmq.store.segment import list_segments, segment_name
@@ -79,17 +80,27 @@ class IndexFile:
         room = self.capacity - n
         taken = pairs[start : start + room]
         self._reserve_entries(n + len(taken))
+        if speedups.compiled is not None:
+            n = speedups.compiled.index_add(mm, slots, entries_at, n, taken)
+        else:
+            n = self._add_py(taken, n)
+        if taken:
+            self.count = n
+            self.last_offset = max(self.last_offset, taken[-1][1])
+            HEADER.pack_into(mm, 0, FILE_MAGIC, slots, self.capacity, n, self.last_offset)
+        return len(taken)
+
+    def _add_py(self, taken: list[tuple[int, int]], n: int) -> int:
+        """The loop of `add` in Python (the reference for the compiled one): chain each pair in after
+        entry `n`; the new count."""
+        mm, slots, entries_at = self.mm, self.slots, self.entries_at
         for h, offset in taken:
             slot_at = HEADER_SIZE + ((h >> 32) % slots) * SLOT.size
             prev = SLOT.unpack_from(mm, slot_at)[0]
             ENTRY.pack_into(mm, entries_at + n * ENTRY.size, h, offset, prev)
             n += 1
             SLOT.pack_into(mm, slot_at, n)
-        if taken:
-            self.count = n
-            self.last_offset = max(self.last_offset, taken[-1][1])
-            HEADER.pack_into(mm, 0, FILE_MAGIC, slots, self.capacity, n, self.last_offset)
-        return len(taken)
+        return n
 
     def find(self, h: int) -> list[int]:
         """Offsets of entries with hash `h`, newest first."""
