@@ -1,5 +1,6 @@
 """The compiled store loops (qmq/store/_speedups.pyx) against their Python originals: the same
-answers for any chunk of records, whole or damaged, and the same key-index bytes."""
+answers for any chunk of records, whole or damaged, the same key-index bytes, the same records and
+entries for any batch a master appends."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qmq.protocol.errors import ProtocolError
+from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN
 from qmq.store import record as rec
 from qmq.store import speedups
 from qmq.store.index import IndexFile
 from qmq.store.replication import ChunkError, check_chunk, check_chunk_py
+from qmq.store.store import LogStore, Message, StoreError
+from tests.support.stores import SMALL
 
 text = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters=","), max_size=12)
 records = st.lists(
@@ -137,3 +142,61 @@ def test_the_pure_python_loops_can_be_chosen_and_say_so() -> None:
     env = {**os.environ, speedups.PURE_PYTHON_ENV: "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.startswith("False pure-Python store loops (QMQ_PURE_PYTHON is set)")
+
+
+tag = st.text("abcXYZ019._-:", min_size=1, max_size=8)
+messages = st.lists(
+    st.builds(
+        Message,
+        subject=st.sampled_from(["a", "order.created", "é.subject"]),
+        message_id=text.filter(lambda t: 0 < len(t.encode()) <= MAX_MESSAGE_ID_LEN),
+        payload=st.binary(max_size=300).flatmap(lambda b: st.sampled_from([b, bytearray(b), memoryview(b)])),
+        key=st.one_of(st.none(), text),
+        tags=st.lists(tag, max_size=3).map(tuple),
+        flags=st.integers(0, 255),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+def encoded_by(store: LogStore, encode, batch: list[Message]):
+    try:
+        out = encode(batch, 1_700_000_000_123)
+    except (StoreError, ProtocolError) as exc:
+        out = (type(exc).__name__, str(exc))
+    return out, dict(store._next_seq)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(messages, min_size=1, max_size=3), st.sampled_from([None, "", "x" * (MAX_KEY_LEN + 1), "bad subject"]))
+def test_a_batch_is_encoded_the_same(tmp_path_factory, batches, spoiler) -> None:
+    config = SMALL  # small files: a store opened per example; segments and index files roll
+    path = tmp_path_factory.mktemp("stores")
+    with LogStore(path / "c", config) as compiled, LogStore(path / "p", config) as python:
+        for n, batch in enumerate(batches):
+            if spoiler is not None and n == len(batches) - 1:  # the last batch refused whole
+                m = batch[-1]
+                batch[-1] = (
+                    m._replace(subject="")
+                    if spoiler == "bad subject"
+                    else m._replace(message_id=spoiler)
+                    if spoiler == ""
+                    else m._replace(key=spoiler)
+                )
+            got = encoded_by(compiled, compiled._encode, batch)
+            assert got == encoded_by(python, python._encode_py, batch)
+            if isinstance(got[0][0], str):
+                assert got[0][0] in ("StoreError", "ProtocolError")
+                continue
+            compiled.append(batch)  # stored, so the next batch starts where this one ended
+            python.append(batch)
+
+
+def test_an_id_longer_than_its_header_field_is_refused_by_both(tmp_path) -> None:
+    with LogStore(tmp_path, SMALL) as store:
+        batch = [Message("s", "a", b"x"), Message("s", "é" * 200, b"y")]
+        for encode in (store._encode, store._encode_py):
+            with pytest.raises(StoreError, match="message id must be"):
+                encode(batch, 1)
+            assert store._next_seq == {}

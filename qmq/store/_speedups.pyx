@@ -4,15 +4,17 @@ they are used). Each does exactly what its Python original does, byte for byte:
 
 - `check_records` is `replication.check_chunk_py` without the error messages: a replica's check and
   derivation of every record it is sent;
-- `index_add` is the loop of `index.IndexFile.add`: every append, on masters and replicas.
+- `index_add` is the loop of `index.IndexFile.add`: every append, on masters and replicas;
+- `encode_batch` is the loop of `store.LogStore._encode_py`: a master's records and their entries.
 
 A record's CRC still comes from zlib-ng (passed in: it folds with the CPU's carry-less multiply);
 the short fields' hashes (ids, keys, tags) come from zlib's C functions, whose values are the same,
 without a Python call each. tests/test_store_speedups.py holds both versions to the same answers.
 """
 
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.string cimport memcpy
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 
@@ -210,3 +212,96 @@ def index_add(mm, Py_ssize_t slots, Py_ssize_t entries_at, Py_ssize_t count, lis
         n += 1
         _put32(base + slot_at, <uint32_t>n)
     return n
+
+
+def encode_batch(messages, dict subject_bytes, new_subject, dict next_seq, Py_ssize_t position, uint64_t now,
+                 uint32_t magic, Py_ssize_t max_id_len, Py_ssize_t max_key_len, encode_tags, crc32, appended,
+                 store_error):
+    """`LogStore.append`'s pass over a batch, as `LogStore._encode_py` makes it: (records, results,
+    runs, index pairs, end), plus the subjects' next sequences, which the caller applies only once the
+    batch is stored (`next_seq` itself is not changed here). Raises `store_error` for an id or key
+    out of bounds, as the Python loop does."""
+    cdef list encoded = [], results = [], pairs = []
+    cdef dict runs = {}, seqs = {}
+    cdef bytes subject_b, message_id, key, tags_b, record
+    cdef const uint8_t[:] payload
+    cdef Py_ssize_t s_len, i_len, k_len, t_len, p_len, size, meta_len
+    cdef uint64_t seq, mask
+    cdef uint8_t* out
+    cdef unsigned long crc
+    cdef uint8_t entry[CL_ENTRY_SIZE]
+    cdef list run
+    cdef object flags, payload_obj
+    for m in messages:
+        subject = m.subject
+        subject_b = subject_bytes.get(subject) or new_subject(subject)
+        message_id = m.message_id.encode()
+        key = m.key.encode() if m.key else b""
+        if not 0 < len(message_id) <= max_id_len or len(key) > max_key_len:
+            raise store_error(
+                f"message id must be 1-{max_id_len} bytes and key at most {max_key_len} bytes "
+                f"(message id {m.message_id!r})"
+            )
+        seq = seqs[subject] if subject in seqs else next_seq.get(subject, 0)
+        seqs[subject] = seq + 1
+        run = runs.get(subject)
+        if run is None:
+            run = [seq, []]
+            runs[subject] = run
+        tags = m.tags
+        tags_b = encode_tags(tags) if tags else b""
+        payload_obj = m.payload
+        payload = payload_obj
+        flags = m.flags
+        s_len, i_len, k_len, t_len, p_len = len(subject_b), len(message_id), len(key), len(tags_b), len(payload)
+        if not (0 <= flags <= 0xFF and s_len <= 0xFFFF and k_len <= 0xFFFF and t_len <= 0xFFFF
+                and i_len <= 0xFF and p_len <= 0xFFFFFFFF):
+            raise OverflowError(f"a field does not fit its record header (message id {m.message_id!r})")
+        meta_len = HEADER_SIZE - CRC_START + s_len + i_len + k_len + t_len
+        size = CRC_START + meta_len + p_len
+        record = PyBytes_FromStringAndSize(NULL, size)
+        out = <uint8_t*>PyBytes_AS_STRING(record)
+        _put32(out, <uint32_t>size)
+        _put32(out + 4, magic)
+        out[12] = 0  # Attr.MESSAGE
+        out[13] = <uint8_t>flags
+        _put64(out + 14, now)
+        _put64(out + 22, seq)
+        out[30] = s_len >> 8
+        out[31] = s_len & 0xFF
+        out[32] = <uint8_t>i_len
+        out[33] = k_len >> 8
+        out[34] = k_len & 0xFF
+        out[35] = t_len >> 8
+        out[36] = t_len & 0xFF
+        _put32(out + 37, <uint32_t>p_len)
+        out += HEADER_SIZE
+        memcpy(out, <const char*>subject_b, s_len)
+        memcpy(out + s_len, <const char*>message_id, i_len)
+        memcpy(out + s_len + i_len, <const char*>key, k_len)
+        memcpy(out + s_len + i_len + k_len, <const char*>tags_b, t_len)
+        if p_len:
+            memcpy(out + s_len + i_len + k_len + t_len, &payload[0], p_len)
+        out -= HEADER_SIZE
+        # the meta part's CRC here, the payload's by zlib-ng from it: `record.encode`'s value
+        crc = zlib_crc32(0, out + CRC_START, meta_len)
+        crc = crc32(payload_obj, crc)
+        _put32(out + 8, <uint32_t>crc)
+        encoded.append(record)
+        results.append(tuple.__new__(appended, (position, seq, position + size)))
+        mask = _tag_mask(<const uint8_t*><const char*>tags_b, t_len) if t_len else 0
+        entry[0] = CL_ENTRY_MAGIC >> 8
+        entry[1] = CL_ENTRY_MAGIC & 0xFF
+        entry[2] = 0
+        entry[3] = 0
+        _put32(entry + 4, <uint32_t>size)
+        _put64(entry + 8, <uint64_t>position)
+        _put64(entry + 16, mask)
+        _put64(entry + 24, now)
+        (<list>run[1]).append(PyBytes_FromStringAndSize(<const char*>entry, CL_ENTRY_SIZE))
+        pairs.append((_key_hash(out, 0, <const uint8_t*><const char*>message_id, i_len), position))
+        if k_len:
+            pairs.append((_key_hash(<const uint8_t*><const char*>subject_b, s_len,
+                                    <const uint8_t*><const char*>key, k_len), position))
+        position += size
+    return encoded, results, {subject: (run[0], run[1]) for subject, run in runs.items()}, pairs, position, seqs
