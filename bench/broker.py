@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from qmq.net.aio_client import AsyncConnection
+from qmq.net.probe import accepts
 from qmq.protocol.codes import RequestCode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,9 +52,8 @@ def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> Non
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex((HOST, port)) == 0:
-                return
+        if accepts(HOST, port):
+            return
         time.sleep(0.05)  # polling a port from outside the process
     raise RuntimeError(f"nothing listened on {port}")
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from qmq.client import AsyncClient
 from qmq.net.aio_client import AsyncConnection
+from qmq.net.probe import accepts
 from qmq.protocol.codes import RequestCode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,9 +58,8 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> float
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex((HOST, port)) == 0:
-                return time.monotonic() - t0
+        if accepts(HOST, port):
+            return time.monotonic() - t0
         time.sleep(0.01)
     raise RuntimeError(f"nothing listened on {port} within {timeout} s")
 

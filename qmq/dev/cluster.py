@@ -31,6 +31,7 @@ import sqlalchemy as sa
 from qmq.db.migrate import upgrade
 from qmq.db.url import normalize_url
 from qmq.dev.certs import SessionCerts, session_certs
+from qmq.net.probe import accepts
 from qmq.net.tls import TLS_CA_ENV
 
 HOST = "127.0.0.1"
@@ -53,9 +54,7 @@ def free_port() -> int:
 
 
 def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex((HOST, port)) == 0
+    return accepts(HOST, port)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
-"""Compiled versions of two of the log store's per-record loops (qmq/store/speedups.py says when
+"""Compiled versions of three of the log store's per-record loops (qmq/store/speedups.py says when
 they are used). Each does exactly what its Python original does, byte for byte:
 
 - `check_records` is `replication.check_chunk_py` without the error messages: a replica's check and

@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from qmq.net.probe import accepts
+
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 5.0
 READY_TIMEOUT_S = 30.0
@@ -38,10 +40,8 @@ def wait_for_port(port: int, proc: subprocess.Popen | None = None, timeout: floa
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        with socket.socket() as s:
-            s.settimeout(0.2)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        if accepts("127.0.0.1", port):
+            return
         time.sleep(0.02)  # polling a port: there is no event to await from outside the process
     raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout}s")
 
