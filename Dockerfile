@@ -47,7 +47,7 @@ RUN mkdir -p qmq worker delay_server spark_etl migrations \
  && pip uninstall -y qmq && rm -rf qmq worker delay_server spark_etl migrations build
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir --no-deps /wheels/qmq-*.whl && rm -rf /wheels \
- && python -c 'from qmq.store import speedups; assert speedups.COMPILED, speedups.describe()'
+ && python -c 'from qmq import ids; from qmq.store import speedups; assert speedups.COMPILED and ids.compiled, speedups.describe()'
 
 # Servers bind 127.0.0.1 by default; docker-compose.yml passes --host 0.0.0.0.
 ENTRYPOINT ["qmq"]

@@ -1,6 +1,7 @@
-"""The compiled part of qmq: qmq/store/_speedups.pyx (qmq/store/speedups.py). Everything else is in
-pyproject.toml. The extension is optional: without Cython, a C compiler or zlib's headers, qmq
-installs and runs on its pure-Python loops, only slower (`qmq broker` logs which it uses)."""
+"""The compiled parts of qmq: qmq/store/_speedups.pyx (qmq/store/speedups.py) and qmq/_ids.pyx
+(qmq/ids.py). Everything else is in pyproject.toml. Both are optional: without Cython, a C
+compiler or zlib's headers, qmq installs and runs their pure-Python versions, only slower (`qmq
+broker` logs which it uses; qmq/compiled.py)."""
 
 from setuptools import Extension, setup
 
@@ -10,7 +11,10 @@ except ImportError:  # no Cython at build time: the pure-Python loops
     ext_modules = []
 else:
     ext_modules = cythonize(
-        [Extension("qmq.store._speedups", ["qmq/store/_speedups.pyx"], libraries=["z"], optional=True)],
+        [
+            Extension("qmq.store._speedups", ["qmq/store/_speedups.pyx"], libraries=["z"], optional=True),
+            Extension("qmq._ids", ["qmq/_ids.pyx"], optional=True),
+        ],
         compiler_directives={"language_level": 3},
         quiet=True,
     )

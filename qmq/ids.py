@@ -14,6 +14,8 @@ import threading
 import time
 import uuid
 
+from qmq.compiled import load
+
 _COUNTER_BITS = 12  # rand_a, used as a counter within one millisecond
 _VARIANT = 0b10 << 62  # RFC 9562's variant bits, above rand_b
 _lock = threading.Lock()
@@ -31,9 +33,9 @@ def _time_prefix(ms: int) -> str:
     return f"{t[:8]}-{t[8:]}-7"
 
 
-def new_id() -> str:
-    """A new UUIDv7 as its canonical 36-character string. (Made for every message sent: the text
-    of the millisecond is kept, not formatted again for each id of it.)"""
+def new_id_py() -> str:
+    """`new_id` in Python, the reference for qmq/_ids.pyx. (The text of the millisecond is kept, not
+    formatted again for each id of it.)"""
     global _last_ms, _counter, _prefix
     with _lock:
         ms = time.time_ns() // 1_000_000
@@ -48,6 +50,15 @@ def new_id() -> str:
         rand_b = _random.getrandbits(62)
     tail = "%016x" % (_VARIANT | rand_b)
     return f"{prefix}{counter:03x}-{tail[:4]}-{tail[4:]}"
+
+
+compiled = load("qmq._ids")
+if compiled is not None:
+    compiled.seed(int.from_bytes(os.urandom(8), "big"))
+    os.register_at_fork(after_in_child=lambda: compiled.seed(int.from_bytes(os.urandom(8), "big")))
+    new_id = compiled.new_id
+else:
+    new_id = new_id_py
 
 
 def id_time_ms(message_id: str) -> int | None:

@@ -2,25 +2,17 @@
 setup.py when Cython and a C compiler are there) and which in Python. Both do the same work byte for
 byte; the compiled one is what makes a replica keep up with its master (docs/benchmarks.md).
 
-`QMQ_PURE_PYTHON=1` in the environment turns the compiled loops off, to rule them out when looking
-for a fault. `COMPILED` says which are in use; `qmq broker` and `qmq delay-server` log it at start.
+`QMQ_PURE_PYTHON=1` in the environment turns the compiled loops off (qmq/compiled.py). `COMPILED`
+says which are in use; `qmq broker` and `qmq delay-server` log it at start.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
-PURE_PYTHON_ENV = "QMQ_PURE_PYTHON"
+from qmq.compiled import PURE_PYTHON_ENV, load, turned_off
 
-if os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
-    compiled = None
-else:
-    try:
-        from qmq.store import _speedups as compiled
-    except ImportError:  # not built: no Cython or no compiler where qmq was installed
-        compiled = None
-
+compiled = load("qmq.store._speedups")
 COMPILED = compiled is not None
 
 
@@ -28,7 +20,7 @@ def describe() -> str:
     """One line for a server's start-up log."""
     if COMPILED:
         return "compiled store loops (qmq.store._speedups)"
-    if os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
+    if turned_off():
         return f"pure-Python store loops ({PURE_PYTHON_ENV} is set)"
     return "pure-Python store loops (qmq.store._speedups not built: install with Cython and a C compiler)"
 
