@@ -1,6 +1,6 @@
 """Which of the log store's per-record loops run compiled (qmq/store/_speedups.pyx, built by
 setup.py when Cython and a C compiler are there) and which in Python. Both do the same work byte for
-byte; the compiled one is what makes a replica keep up with its master (docs/benchmarks.md).
+byte; the compiled ones in a quarter to a half of the time (docs/benchmarks.md).
 
 `QMQ_PURE_PYTHON=1` in the environment turns the compiled loops off (qmq/compiled.py). `COMPILED`
 says which are in use; `qmq broker` and `qmq delay-server` log it at start.
@@ -26,8 +26,8 @@ def describe() -> str:
 
 
 def log_in_use(logger: logging.Logger) -> None:
-    """Say at a server's start which loops it runs: a warning when they are not compiled, as a replica
-    then keeps up with its master only at a lower rate."""
+    """Say at a server's start which loops it runs: a warning when they are not compiled, as the
+    server then spends more CPU on every message it stores or replicates."""
     if COMPILED:
         logger.info("%s", describe())
     else:
