@@ -86,6 +86,23 @@ def test_a_master_every_in_sync_replica_lost_is_replaced_one_heartbeat_interval_
     assert (failover.group, failover.master) == ("g2", "y:1") and "master silent" in failover.reason
 
 
+def test_a_replica_silent_as_long_as_its_master_is_not_promoted(engine, clock) -> None:
+    # a and b frozen (or cut off) together: b's last report is as old as a's, within failover_after
+    # but past two heartbeat intervals (5 s); c, heard from just now, is promoted though its log is shorter
+    e = election(engine, clock, "meta-1")
+    e.report("a:1", "g1", "pending", 0, 0, None)
+    e.report("b:1", "g1", "replica", 1, 600, None)
+    e.report("c:1", "g1", "replica", 1, 500, None)
+    e.report("a:1", "g1", "master", 1, 600, ["b:1", "c:1"])
+    clock.advance(AFTER_S * 0.4)
+    e.report("b:1", "g1", "replica", 1, 600, None)  # b's last word
+    clock.advance(AFTER_S * 0.61)  # a silent past failover_after; b for 6.1 s
+    assert e.sweep() == []  # c has not reported for as long either: nobody to promote yet
+    e.report("c:1", "g1", "replica", 1, 500, None, master_lost=True)
+    [failover] = e.sweep()
+    assert (failover.epoch, failover.master) == (2, "c:1")
+
+
 def test_no_in_sync_replica_means_no_failover(engine, clock) -> None:
     e = election(engine, clock, "meta-1")
     e.report("a:1", "g1", "master", 1, 100, [])

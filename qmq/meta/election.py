@@ -42,6 +42,7 @@ log = logging.getLogger("qmq.meta")
 
 FAILOVER_AFTER_S = 10.0  # a master silent this long is replaced by an in-sync replica
 HEARTBEATS_PER_FAILOVER = 4  # replicating servers heartbeat this often within failover_after
+CANDIDATE_HEARTBEATS = 2  # a replica is promoted only if heard from within this many heartbeat intervals
 LEASE_NAME = "failover"
 WRITE_ATTEMPTS = 3
 
@@ -119,6 +120,10 @@ class Election:
         self.failover_after = timedelta(seconds=failover_after_s)
         # A master every in-sync replica has lost is replaced one heartbeat interval sooner.
         self.failover_after_lost = self.failover_after - timedelta(seconds=heartbeat_interval_s(failover_after_s))
+        # A replica is promoted only if it reported lately: one frozen or cut off together with the
+        # master reported about as long ago as the master did, so within `failover_after` it would
+        # still pass for live, be promoted and leave the group without a master.
+        self.candidate_within = timedelta(seconds=CANDIDATE_HEARTBEATS * heartbeat_interval_s(failover_after_s))
         self.lease_for = timedelta(seconds=max(1.0, failover_after_s / 2))
         self.clock = clock
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -386,19 +391,24 @@ class Election:
         return bool(live) and all(r.master_lost and as_utc(r.reported_at) > last for r in live)
 
     def _best_in_sync(self, conn: Connection, now: datetime, row, only: str | None = None):
-        candidates = self._live_in_sync(conn, now, row, only)
+        """The replica a failover promotes: in sync, heard from within `candidate_within`, the
+        longest log."""
+        candidates = self._live_in_sync(conn, now, row, only, within=self.candidate_within)
         return max(candidates, key=lambda r: (r.log_end, r.address), default=None)
 
-    def _live_in_sync(self, conn: Connection, now: datetime, row, only: str | None = None) -> list:
+    def _live_in_sync(
+        self, conn: Connection, now: datetime, row, only: str | None = None, within: timedelta | None = None
+    ) -> list:
         """The group's replicas the master last listed in sync (or just `only`) that reported within
-        `failover_after`: the ones a failover may promote."""
+        `within` (default `failover_after`)."""
         in_sync = set(filter(None, row.in_sync.split(",")))
         if only is not None:
             in_sync &= {only}
+        within = self.failover_after if within is None else within
         return [
             r
             for r in conn.execute(sa.select(schema.replica).where(schema.replica.c.group_name == row.group_name)).all()
-            if r.address in in_sync and r.address != row.master and now - as_utc(r.reported_at) <= self.failover_after
+            if r.address in in_sync and r.address != row.master and now - as_utc(r.reported_at) <= within
         ]
 
     def _promote(self, conn: Connection, now: datetime, row, reason: str, only: str | None = None) -> Failover | None:
