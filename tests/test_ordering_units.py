@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -73,6 +74,26 @@ def test_a_send_keeps_one_request_per_queue_in_flight() -> None:
         rounds.append([messages[i].body["n"] for i in batches[0].indices])
         job.on_reply(batches[0], {"rejected": []})
     assert rounds == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_an_ordered_queue_needs_a_broker_route_even_beside_delayed_messages() -> None:
+    """The send loop asks for a subject's route as "delayed only" (a delay server suffices, with no
+    meta server asked) only when every pending message routed by it is delayed. A queue's subject
+    (`subject#queue`) carries ordered messages, which are never delayed: asked as delayed only, a
+    client given delay servers directly got a route with no broker group, and its ordered message
+    failed."""
+    later = int(time.time() * 1000) + 60_000
+    job = SendJob(
+        [
+            OutgoingMessage("orders", b"x", order_key="k"),
+            OutgoingMessage("orders", b"y", deliver_at=later),
+            OutgoingMessage("later", b"z", deliver_at=later),
+            OutgoingMessage("later", b"now"),
+        ]
+    )
+    queue = job.route_subject(0)
+    assert job.pending_routes() == {queue: False, "orders": True, "later": False}
+    assert job.pending_subjects() == {queue, "orders", "later"}
 
 
 def test_a_static_route_puts_a_queue_on_one_broker() -> None:

@@ -33,6 +33,7 @@ CHECKED_WIRE = "_checked_wire"
 # A frozen dataclass's generated __init__ sets each field through object.__setattr__; the classes
 # made once per message (these below, and `Delivery`) set their instance dict at once (`set_fields`).
 _set_attr = object.__setattr__
+_new_object = object.__new__
 
 
 def set_fields(instance: object, fields: dict[str, Any]) -> None:
@@ -226,6 +227,24 @@ class SendResult:
                 "group": group,
             },
         )
+
+    @classmethod
+    def stored(cls, message_id: str, subject: str, group: str) -> SendResult:
+        """`SendResult(message_id, subject, True, group=group)`, made without the keyword parsing of
+        `__init__`: one is made for every message a broker stores."""
+        result = _new_object(cls)
+        set_fields(
+            result,
+            {
+                "message_id": message_id,
+                "subject": subject,
+                "ok": True,
+                "error_code": None,
+                "error": None,
+                "group": group,
+            },
+        )
+        return result
 
 
 class SendError(ClientError):

@@ -64,6 +64,17 @@ class GroupHealth:
         return failed_at is not None and now - failed_at < self.suspect_for_s
 
 
+def sole_group(route: Route | None, health: GroupHealth | None = None, now: float = 0.0) -> RouteGroup | None:
+    """The group `choose_group` gives every message of `route` not tried yet when there is no choice:
+    the route's one writable group, unless it failed lately. None when there is a choice to make."""
+    if route is None:
+        return None
+    writable = route.writable_groups
+    if len(writable) == 1 and (health is None or not health.suspect(writable[0].name, now)):
+        return writable[0]
+    return None
+
+
 def choose_group(
     route: Route, message_id: str, *, tried: Sequence[str] = (), health: GroupHealth | None = None, now: float = 0.0
 ) -> tuple[RouteGroup | None, bool]:
@@ -75,8 +86,8 @@ def choose_group(
     writable = route.writable_groups
     if not writable:
         return None, False
-    if len(writable) == 1 and not tried and (health is None or not health.suspect(writable[0].name, now)):
-        return writable[0], False
+    if not tried and (sole := sole_group(route, health, now)) is not None:
+        return sole, False
     untried = [g for g in writable if g.name not in tried]
     candidates, again = (untried, False) if untried else (list(writable), True)
     if health is not None:
@@ -138,6 +149,7 @@ class SendJob:
         self._last_error: list[tuple[int, str] | None] = [None] * len(self.messages)
         self.retry_delay_s = 0.0  # set by plan(): wait this long before sending its batches
         self.delayed: list[bool] = []  # goes to a delay server (deliver_at in the future)
+        self._open = 0  # messages without a result yet
         now = now_ms()
         known_subjects: set[str] = set()  # checked once per call
         for message in self.messages:
@@ -148,20 +160,30 @@ class SendJob:
                 if self.delayed[-1]:
                     self.wires[-1]["deliver_at"] = deliver_at
                 self._results.append(None)
+                self._open += 1
             except InvalidMessage as exc:
                 self.wires.append(None)
                 self._results.append(self._failure(message, exc.code, f"{error_name(exc.code)}: {exc}"))
 
     @property
     def done(self) -> bool:
-        return all(r is not None for r in self._results)
+        return not self._open
 
     def results(self) -> list[SendResult]:
         assert self.done, "the send job still has messages to send"
         return [r for r in self._results if r is not None]
 
     def pending_subjects(self) -> set[str]:
-        return {self.route_subject(i) for i in self._pending()}
+        return set(self.pending_routes())
+
+    def pending_routes(self) -> dict[str, bool]:
+        """The subjects whose routes the pending messages need (see `route_subject`), each with
+        whether every one of its pending messages goes to a delay server."""
+        routes: dict[str, bool] = {}
+        for i in self._pending():
+            subject = self.route_subject(i)
+            routes[subject] = routes.get(subject, True) and self.delayed[i]
+        return routes
 
     def route_subject(self, i: int) -> str:
         """The subject whose route message `i` follows: its own, or for an ordered message its
@@ -169,15 +191,11 @@ class SendJob:
         wire = self.wires[i]
         return wire["subject"] if wire is not None else self.messages[i].subject
 
-    def only_delayed(self, subject: str) -> bool:
-        """Every pending message of `subject` goes to a delay server."""
-        return all(self.delayed[i] for i in self._pending() if self.messages[i].subject == subject)
-
     def fail_subject(self, subject: str, code: int, text: str) -> None:
         """Give up on every pending message of `subject` (its route cannot be had)."""
         for i in self._pending():
             if self.route_subject(i) == subject:
-                self._results[i] = self._failure(self.messages[i], code, text)
+                self._finish(i, self._failure(self.messages[i], code, text))
 
     def plan(self, routes: Mapping[str, Route], health: GroupHealth | None = None, now: float = 0.0) -> list[SendBatch]:
         """The batches for the next round: each pending message offered to one group. Messages with
@@ -185,9 +203,13 @@ class SendJob:
         by_group: dict[tuple[bool, str, str | None], tuple[RouteGroup, list[int]]] = {}
         self.retry_delay_s = 0.0
         queue_room: dict[str, tuple[int, int]] = {}  # an ordered queue's messages in this round, bytes
+        # (route subject, delayed) -> its route, and the group every untried message goes to when
+        # there is no choice to make (`sole_group`): decided once per route, not once per message.
+        chosen: dict[tuple[str, bool], tuple[Route | None, RouteGroup | None]] = {}
         for i in self._pending():
             message = self.messages[i]
-            queue = self.route_subject(i) if getattr(message, "order_key", None) is not None else None
+            subject = self.route_subject(i)
+            queue = subject if getattr(message, "order_key", None) is not None else None
             if queue is not None:
                 # An ordered queue's messages go one batch per round, so that no two requests of one
                 # queue are in flight at once (they could be stored in either order).
@@ -197,22 +219,29 @@ class SendJob:
                 if count and (count >= self.batch_size or size + len(wire["payload"]) > self.max_batch_bytes):
                     continue
                 queue_room[queue] = (count + 1, size + len(wire["payload"]))
-            route = routes.get(self.route_subject(i))
             delayed = self.delayed[i]
-            if delayed and route is not None:
-                route = route.delay_route
-            if len(self._tried[i]) >= self.max_attempts:
+            tried = self._tried[i]
+            if len(tried) >= self.max_attempts:
                 code, text = self._last_error[i] or (ErrorCode.UNAVAILABLE, "no attempt left")
-                tried = ", ".join(dict.fromkeys(self._tried[i]))
-                self._results[i] = self._failure(
-                    message, code, f"not stored after {len(self._tried[i])} attempts (on {tried}); last: {text}"
+                names = ", ".join(dict.fromkeys(tried))
+                self._finish(
+                    i,
+                    self._failure(message, code, f"not stored after {len(tried)} attempts (on {names}); last: {text}"),
                 )
                 continue
-            group, again = (
-                choose_group(route, message.id, tried=self._tried[i], health=health, now=now)
-                if route is not None
-                else (None, False)
-            )
+            found = chosen.get((subject, delayed))
+            if found is None:
+                route = routes.get(subject)
+                if delayed and route is not None:
+                    route = route.delay_route
+                found = chosen[(subject, delayed)] = (route, sole_group(route, health, now))
+            route, sole = found
+            if sole is not None and not tried:
+                group, again = sole, False
+            elif route is not None:
+                group, again = choose_group(route, message.id, tried=tried, health=health, now=now)
+            else:
+                group, again = None, False
             if group is None:
                 text = (
                     "no delay server is available for delayed messages"
@@ -221,11 +250,11 @@ class SendJob:
                 )
                 if self._last_error[i] is not None:
                     text += f" (last error: {self._last_error[i][1]})"
-                self._results[i] = self._failure(message, ErrorCode.UNAVAILABLE, text)
+                self._finish(i, self._failure(message, ErrorCode.UNAVAILABLE, text))
                 continue
             if again:
                 self.retry_delay_s = RETRY_DELAY_S
-            self._tried[i].append(group.name)
+            tried.append(group.name)
             by_group.setdefault((delayed, group.name, queue), (group, []))[1].append(i)
         batches = []
         for (delayed, _name, _queue), (group, indices) in by_group.items():
@@ -253,14 +282,14 @@ class SendJob:
         for position, i in enumerate(batch.indices):
             message = self.messages[i]
             if position not in rejected:
-                self._results[i] = SendResult(message.id, message.subject, True, group=batch.group)
+                self._finish(i, SendResult.stored(message.id, message.subject, batch.group))
                 continue
             code, text = rejected[position]
             text = f"{error_name(code)}: {text}"
             if code in RETRIABLE_SEND_CODES:
                 self._last_error[i] = (code, f"group {batch.group}: {text}")
             else:
-                self._results[i] = self._failure(message, code, text)
+                self._finish(i, self._failure(message, code, text))
 
     def on_error(self, batch: SendBatch, exc: BaseException) -> bool:
         """The whole request failed. Returns whether its messages will be tried again (on another
@@ -270,8 +299,13 @@ class SendJob:
             if retriable:
                 self._last_error[i] = (code, f"group {batch.group}: {text}")
             else:
-                self._results[i] = self._failure(self.messages[i], code, text)
+                self._finish(i, self._failure(self.messages[i], code, text))
         return retriable
+
+    def _finish(self, i: int, result: SendResult) -> None:
+        if self._results[i] is None:
+            self._open -= 1
+        self._results[i] = result
 
     def _pending(self) -> list[int]:
         return [i for i, r in enumerate(self._results) if r is None]
@@ -308,10 +342,10 @@ def send(
     refresh: set[str] = set()
     while not job.done:
         routes_now: dict[str, Route] = {}
-        for subject in job.pending_subjects():
+        for subject, delayed_only in job.pending_routes().items():
             try:
                 routes_now[subject] = yield from routes.lookup(
-                    subject, refresh=subject in refresh, delayed_only=job.only_delayed(subject)
+                    subject, refresh=subject in refresh, delayed_only=delayed_only
                 )
             except MetaUnreachable as exc:
                 job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc))

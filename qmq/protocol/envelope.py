@@ -46,7 +46,7 @@ def encode(
 ) -> bytes:
     """The payload for a message. `content_type` given means `body` is already bytes of that type."""
     if content_type is None:
-        raw, content_type = encode_body(body)
+        raw, content_type = (body, BYTES) if type(body) is bytes else encode_body(body)  # bytes: most sends
     else:
         raw = bytes(body)
     envelope = {"v": MARKER, "b": raw, "ct": content_type, "t": created_at}
