@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.peers import report
+from bench.peers import priority, report
 from bench.peers.workload import HOST, Measurement, Options, fsync_probe, reachable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +41,7 @@ class System:
     module: str  # under bench.peers, imported only when the system is measured
     port: int | None  # None: started by the benchmark itself
     start: str = ""  # the command that starts it on this machine
+    also_ports: tuple[int, ...] = ()  # other servers it uses, given the benchmark's priority too
 
 
 SYSTEMS = {
@@ -61,7 +62,11 @@ SYSTEMS = {
         'redis-server --daemonize yes --port 6379 --save ""',
     ),
     "outbox": System(  # commit to handler: the qmq outbox against Celery's on_commit(delay); PostgreSQL too
-        "qmq outbox and Celery on_commit", "outbox_path", 6379, 'redis-server --daemonize yes --port 6379 --save ""'
+        "qmq outbox and Celery on_commit",
+        "outbox_path",
+        6379,
+        'redis-server --daemonize yes --port 6379 --save ""',
+        also_ports=(5432,),
     ),
 }
 
@@ -78,11 +83,14 @@ def start(system: System) -> bool:
     return False
 
 
-def measure(system: System, options: Options, start_stopped: bool) -> list[Measurement]:
+def measure(system: System, options: Options, start_stopped: bool, match_priority: bool = True) -> list[Measurement]:
     if system.port is not None and not reachable(HOST, system.port) and not (start_stopped and start(system)):
         error = f"not reachable at {HOST}:{system.port}; start it with: {system.start}"
         print(f"# {system.label}: {error}", file=sys.stderr, flush=True)
         return [Measurement(system.label, "", "", "", error=error)]
+    if match_priority:
+        for port in (system.port, *system.also_ports) if system.port is not None else ():
+            print(priority.match(port, system.label), flush=True)
     try:
         module = importlib.import_module(f"bench.peers.{system.module}")
         return module.measure(options)
@@ -125,6 +133,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=Options.latency_seconds, help="latency case, seconds")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--start-stopped", action="store_true", help="run the start command of an unreachable peer")
+    parser.add_argument(
+        "--keep-priority",
+        action="store_true",
+        help="leave the peers' servers at their own niceness (default: this process's; bench/peers/priority.py)",
+    )
     parser.add_argument("--chart", default=str(ROOT / "docs" / "peers.png"), help="PNG to write; '' for none")
     parser.add_argument("--json", help="write the figures of every run to this file")
     parser.add_argument("--from-json", help="report and chart the runs in this file instead of measuring")
@@ -150,7 +163,7 @@ def main() -> None:
             run: list[Measurement] = []
             for name in args.systems:
                 print(f"# {SYSTEMS[name].label} ({uptime()})", flush=True)
-                run.extend(measure(SYSTEMS[name], options, args.start_stopped))
+                run.extend(measure(SYSTEMS[name], options, args.start_stopped, not args.keep_priority))
             runs.append(run)
             print(f"\n# run {n + 1} done ({uptime()}; {disk()})\n{report.text_table(run)}\n", flush=True)
         if args.json:
