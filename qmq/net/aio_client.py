@@ -14,6 +14,7 @@ import ssl
 from collections.abc import Coroutine
 from typing import Any
 
+from qmq.net.coalesce import FrameQueue
 from qmq.net.common import (
     READ_CHUNK_BYTES,
     REQUEST_TIMEOUT_S,
@@ -39,7 +40,7 @@ class AsyncConnection(Opener[Coroutine[Any, Any, "AsyncConnection"]]):
         self._writer = writer
         self._side = side
         self._reader_task: asyncio.Task[None] | None = None
-        self._out: list[bytes] = []  # frames waiting for the end of this loop iteration
+        self._out = FrameQueue(writer.write, writer.is_closing)
         self._tls = False
 
     @classmethod
@@ -84,8 +85,8 @@ class AsyncConnection(Opener[Coroutine[Any, Any, "AsyncConnection"]]):
         loop = asyncio.get_running_loop()
         future: _Reply = loop.create_future()
         request_id, data = self._side.request(code, body, future)
-        self._out.append(data)
-        self._flush()  # with any frame queued before it, in order
+        self._out.put(data)
+        self._out.flush()  # with any frame queued before it, in order
 
         def expire() -> None:
             if self._side.abandon(request_id):
@@ -98,7 +99,7 @@ class AsyncConnection(Opener[Coroutine[Any, Any, "AsyncConnection"]]):
     async def send_oneway(self, code: int, body: dict[str, Any] | None = None) -> None:
         """Send a request that gets no reply, not even an error."""
         _, data = self._side.request(code, body, None)
-        self._write(data)
+        self._out.put(data)
         await self._writer.drain()
 
     async def close(self) -> None:
@@ -119,7 +120,7 @@ class AsyncConnection(Opener[Coroutine[Any, Any, "AsyncConnection"]]):
 
     async def _exchange(self, request_id: int, data: bytes, future: _Reply, timeout: float) -> dict[str, Any] | None:
         try:
-            self._write(data)
+            self._out.put(data)
             async with asyncio.timeout(timeout):
                 await self._writer.drain()
                 return await future
@@ -127,18 +128,6 @@ class AsyncConnection(Opener[Coroutine[Any, Any, "AsyncConnection"]]):
             raise TimeoutError(f"no reply from {self.address} within {timeout:g} s") from None
         finally:
             self._side.abandon(request_id)  # timed out or cancelled: nobody waits (else a no-op)
-
-    def _write(self, data: bytes) -> None:
-        """Queue a frame; frames queued in one loop iteration go out in one write (pipelined requests
-        made together cost one system call)."""
-        if not self._out:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._out.append(data)
-
-    def _flush(self) -> None:
-        if self._out and not self._writer.is_closing():
-            self._writer.write(b"".join(self._out) if len(self._out) > 1 else self._out[0])
-        self._out.clear()
 
     async def _read_loop(self) -> None:
         error = ConnectionError(f"connection to {self.address} was closed by this client")

@@ -22,6 +22,7 @@ from typing import Any
 from qmq.memory import keep_large_buffers
 from qmq.net.acl import Principal
 from qmq.net.auth import CHECK_CACHE_S, Authenticator
+from qmq.net.coalesce import FrameQueue
 from qmq.net.common import READ_CHUNK_BYTES
 from qmq.net.guard import ConnectionCaps, MemoryBudget, NetLimits
 from qmq.net.options import server_options
@@ -186,7 +187,7 @@ class _ServerConnection:
         self.held_bytes = 0  # what is charged to the server's budget for this connection
         self.room = asyncio.Event()  # set when a request in flight is answered
         self.output_closed = False  # after write_eof() nothing more may be written
-        self.out: list[bytes] = []  # replies waiting for the end of this loop iteration
+        self.out = FrameQueue(writer.write, lambda: self.output_closed or writer.is_closing())
         with contextlib.suppress(AttributeError, NotImplementedError):
             writer.transport.set_write_buffer_limits(high=self.limits.write_buffer_bytes)
 
@@ -218,13 +219,13 @@ class _ServerConnection:
             reason = "server shutting down"
             for task in self.tasks:
                 task.cancel()
-            self._write(self.conn.send_error(CONNECTION_REQUEST_ID, ErrorCode.UNAVAILABLE, "server is shutting down"))
+            self.out.put(self.conn.send_error(CONNECTION_REQUEST_ID, ErrorCode.UNAVAILABLE, "server is shutting down"))
             raise
         finally:
             # Let the handlers still running finish: they may be half-way through work worth finishing;
             # their replies go nowhere if the peer is gone.
             await asyncio.gather(*self.tasks, return_exceptions=True)
-            self._flush()
+            self.out.flush()
             self.writer.close()
             self.server.budget.release(self.held_bytes)
             self.held_bytes = 0
@@ -251,7 +252,7 @@ class _ServerConnection:
                         self.credential = event.credential
                         await self._authenticate()
                     log.info("connection %s open", self.peer)
-                    self._write(event.reply)
+                    self.out.put(event.reply)
                 elif isinstance(event, Request):
                     if self.credential is not None and self._stale_credential():
                         await self._authenticate()
@@ -349,10 +350,10 @@ class _ServerConnection:
                 reply = self.conn.send_error(request.request_id, ErrorCode.INTERNAL, repr(exc))
             if request.oneway:
                 return
-            self._write(reply)
+            self.out.put(reply)
             if close_after:
                 log.warning("connection %s: fatal error on request code %d, closing", self.peer, request.code)
-                self._flush()
+                self.out.flush()
                 self.writer.close()
             await self._drain()
         finally:
@@ -381,24 +382,12 @@ class _ServerConnection:
         except OSError:
             pass  # the peer is gone: its read loop ends the connection
 
-    def _write(self, data: bytes) -> None:
-        """Queue `data`; what is queued goes out in one write at the end of this loop iteration, so
-        pipelined replies finished together cost one system call, not one each."""
-        if not self.out:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self.out.append(data)
-
-    def _flush(self) -> None:
-        if self.out and not (self.output_closed or self.writer.is_closing()):
-            self.writer.write(b"".join(self.out) if len(self.out) > 1 else self.out[0])
-        self.out.clear()
-
     async def _close_with_error(self, exc: ProtocolError) -> None:
         """Send the error frame, then read and drop the peer's input for a moment before closing:
         closing with unread input makes the kernel send RST, which can destroy the error frame in
         the peer's receive buffer before the peer reads it."""
-        self._write(self.conn.send_error(CONNECTION_REQUEST_ID, exc.code, exc.message))
-        self._flush()
+        self.out.put(self.conn.send_error(CONNECTION_REQUEST_ID, exc.code, exc.message))
+        self.out.flush()
         with contextlib.suppress(OSError, TimeoutError):
             if self.writer.can_write_eof():
                 self.output_closed = True
