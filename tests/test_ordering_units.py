@@ -93,7 +93,6 @@ def test_an_ordered_queue_needs_a_broker_route_even_beside_delayed_messages() ->
     )
     queue = job.route_subject(0)
     assert job.pending_routes() == {queue: False, "orders": True, "later": False}
-    assert job.pending_subjects() == {queue, "orders", "later"}
 
 
 def test_a_static_route_puts_a_queue_on_one_broker() -> None:

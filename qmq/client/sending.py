@@ -126,7 +126,7 @@ def classify_send_error(exc: BaseException) -> tuple[bool, int, str]:
 
 class SendJob:
     """The state of one `send(messages)` call. The send loop (`send`) fetches routes for
-    `pending_subjects()`, `plan()`s batches, sends them, reports each with `on_reply` or `on_error`,
+    `pending_routes()`, `plan()`s batches, sends them, reports each with `on_reply` or `on_error`,
     until `done`; then `results()`. Messages a broker would reject are answered at once."""
 
     def __init__(
@@ -149,7 +149,7 @@ class SendJob:
         self._last_error: list[tuple[int, str] | None] = [None] * len(self.messages)
         self.retry_delay_s = 0.0  # set by plan(): wait this long before sending its batches
         self.delayed: list[bool] = []  # goes to a delay server (deliver_at in the future)
-        self._open = 0  # messages without a result yet
+        self._unsettled = 0  # messages without a result yet
         now = now_ms()
         known_subjects: set[str] = set()  # checked once per call
         for message in self.messages:
@@ -160,21 +160,18 @@ class SendJob:
                 if self.delayed[-1]:
                     self.wires[-1]["deliver_at"] = deliver_at
                 self._results.append(None)
-                self._open += 1
+                self._unsettled += 1
             except InvalidMessage as exc:
                 self.wires.append(None)
                 self._results.append(self._failure(message, exc.code, f"{error_name(exc.code)}: {exc}"))
 
     @property
     def done(self) -> bool:
-        return not self._open
+        return not self._unsettled
 
     def results(self) -> list[SendResult]:
         assert self.done, "the send job still has messages to send"
         return [r for r in self._results if r is not None]
-
-    def pending_subjects(self) -> set[str]:
-        return set(self.pending_routes())
 
     def pending_routes(self) -> dict[str, bool]:
         """The subjects whose routes the pending messages need (see `route_subject`), each with
@@ -304,7 +301,7 @@ class SendJob:
 
     def _finish(self, i: int, result: SendResult) -> None:
         if self._results[i] is None:
-            self._open -= 1
+            self._unsettled -= 1
         self._results[i] = result
 
     def _pending(self) -> list[int]:
