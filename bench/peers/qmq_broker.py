@@ -5,7 +5,9 @@ peers' rows go through theirs: `AsyncClient.send` of 64 messages, 8 calls outsta
 `AsyncSubscription.pull(1024)` with `prefetch=True` (the next pull in flight while a batch is handled,
 as RabbitMQ's prefetch and a Kafka consumer's fetch keep messages coming) and an ack per delivery
 (the client batches acks); latency with
-`send_one` and a subscription already long-polling. The second speaks the wire protocol directly
+`send_one` and a subscription already long-polling, also with `prefetch=True`, as a consumer that
+wants its messages soon is set up (a message stored between two pulls is served to it ahead,
+qmq/broker/ahead.py). The second speaks the wire protocol directly
 (bench/broker.py's own cases: the same batches on 2 connections x 4, two consumers of the group):
 what the broker can do when the client's per-message work is not in the way.
 """
@@ -43,7 +45,7 @@ async def client_latency(port: int, options: Options) -> list[float]:
     delays: list[float] = []
     total = int(options.latency_rate * options.latency_seconds)
     async with AsyncClient(brokers=[f"{HOST}:{port}"]) as client:
-        subscription = await client.subscribe(LATENCY_SUBJECT, "lat", start="earliest")
+        subscription = await client.subscribe(LATENCY_SUBJECT, "lat", start="earliest", prefetch=True)
 
         async def receive() -> None:
             while len(delays) < total:
@@ -78,7 +80,8 @@ def measure_client(options: Options) -> Measurement:
         SYNCED,
         DURABILITY,
         f"qmq.client.AsyncClient, send batches of {BATCH} x {IN_FLIGHT} outstanding; pull "
-        f"{CONSUME_BATCH} with prefetch (the next pull in flight meanwhile), ack each (batched by the client)",
+        f"{CONSUME_BATCH} with prefetch (the next pull in flight meanwhile), ack each (batched by the client); "
+        "latency: send_one, a prefetching subscription pulling 256",
     )
     with broker() as port:
         result.produce = asyncio.run(client_produce(port, options.messages, BATCH, options.size, IN_FLIGHT))["rate"]

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from qmq.broker.ahead import AHEAD_WINDOW_S, ServeAhead
 from qmq.broker.consumer_group import ConsumerGroup, UnknownConsumer
 from qmq.broker.core import BrokerCore
 from qmq.broker.give_back import give_back
@@ -48,6 +49,7 @@ MAX_NACK_DELAY_MS = 10 * 365 * 86400 * 1000
 MAX_NACK_ATTEMPTS = 1_000_000
 MAX_REASON_LEN = 1000  # characters of a nack's reason kept
 LEFT_KEPT_S = MAX_PULL_WAIT_MS / 1000 + 1.0  # a consumer's leave outlives any pull it had waiting
+NOTHING_TO_RESEND = 1 << 62  # as a pull's `pulled`: take new messages only (serving ahead)
 
 
 def broadcast_key(group: str, consumer: str) -> str:
@@ -74,6 +76,7 @@ class PullRequest:
     start: str  # where a new group starts: "latest" or "earliest"
     pulled: dict[str, int]  # stored subject -> the last pull sequence the consumer has seen
     queues: tuple[int, ...] | None = None  # an ordered pull: these queues of the subject (their holder)
+    ahead: int = 0  # serve up to this many new messages ahead until the next pull (ahead.py)
 
     @classmethod
     def of(cls, body: dict[str, Any], limits: Limits) -> PullRequest:
@@ -93,34 +96,45 @@ class PullRequest:
         queues = ordered_queues(body)
         if queues is not None and broadcast:
             raise bad("an ordered pull (queues) cannot be a broadcast")
+        ahead = int_field(body, "ahead", 0, 0, MAX_PULL_MESSAGES) if queues is None and not broadcast else 0
         key = broadcast_key(group, consumer) if broadcast else group
         if len(retry_subject(subject, key)) > limits.max_subject_len:
             raise bad(
                 f"subject {subject!r} and group {key!r} together are too long for the retry subject "
                 f"(at most {limits.max_subject_len} characters)"
             )
-        return cls(subject, key, consumer, max_count, wait_ms, tags, match_all, broadcast, start, pulled, queues)
+        return cls(subject, key, consumer, max_count, wait_ms, tags, match_all, broadcast, start, pulled, queues, ahead)
 
 
 class Consuming:
-    def __init__(self, core: BrokerCore) -> None:
+    def __init__(self, core: BrokerCore, ahead_window_s: float = AHEAD_WINDOW_S) -> None:
         self.core = core
         self.dead_lettered: set[tuple[str, str, int]] = set()  # unreadable messages sent to dead letters
         # consumer id -> loop time of its BROKER_LEAVE: a pull of it waiting since before then hands
         # out nothing more (its reply would go nowhere). Kept for one pull's longest wait.
         self.left_at: dict[str, float] = {}
+        self.ahead = ServeAhead(core, self._take_ahead, ahead_window_s)
 
     # ---- pull -----------------------------------------------------------------------------------
 
     async def pull(self, body: dict[str, Any]) -> dict[str, Any]:
         pull = PullRequest.of(body, self.core.limits)
+        self.ahead.back(pull)
+        started = asyncio.get_running_loop().time()
+        reply = await self._pull(pull, started)
+        if pull.ahead and self.left_at.get(pull.consumer, -1.0) < started:  # not after its consumer left
+            self.ahead.replied(pull)
+        return reply
+
+    async def _pull(self, pull: PullRequest, started: float) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        started = loop.time()
         deadline = started + pull.wait_ms / 1000
         while True:
             if self.left_at and self.left_at.get(pull.consumer, -1.0) >= started:
                 return {"batches": []}  # the consumer left while this pull waited
             batches, end = self._take(pull)
+            if batches and self.ahead.reserved_end:  # what was served ahead goes out once journalled
+                end = max(end or 0, self.ahead.reserved_end)
             if end is not None:
                 await self.core.store.durable(end)
             lost = not_held(self.core, pull)
@@ -130,22 +144,26 @@ class Consuming:
             if remaining <= 0 or not await self.core.wait_for_messages(pull.subject, remaining):
                 return {"batches": [], "lost": lost} if lost else {"batches": []}
 
-    def _take(self, pull: PullRequest) -> tuple[list[dict], int | None]:
+    def _take(self, pull: PullRequest, *, ahead: bool = False) -> tuple[list[dict], int | None]:
         """Hand the consumer its next messages: due retries first, then the subject. Returns the
         batches and the log offset to await before replying (None when nothing was journalled).
-        Whatever was applied is journalled, even when a read fails half-way."""
+        Whatever was applied is journalled, even when a read fails half-way. `ahead`: serve up to
+        `pull.ahead` new messages before the consumer asks (ahead.py), resending nothing."""
         entries: list[Entry] = []
         batches: list[dict] = []
         try:
-            self._take_into(entries, batches, pull)
+            self._take_into(entries, batches, pull, ahead)
         finally:
             end = self.core.commit(entries, delivery=True) if entries else None
         return batches, end
 
-    def _take_into(self, entries: list[Entry], batches: list[dict], pull: PullRequest) -> None:
+    def _take_ahead(self, pull: PullRequest) -> tuple[list[dict], int | None]:
+        return self._take(pull, ahead=True)
+
+    def _take_into(self, entries: list[Entry], batches: list[dict], pull: PullRequest, ahead: bool) -> None:
         core, store = self.core, self.core.store
         now = core.clock()
-        remaining = pull.max_count
+        remaining = pull.ahead if ahead else pull.max_count
         for retry, stored in stored_subjects(core, pull, now):
             group = core.state.group(stored, pull.key)
             if group is None:
@@ -175,7 +193,8 @@ class Consuming:
                     fresh[record.seq] = record
                 return [r.seq for r in records], next_seq
 
-            handed, action = group.pull(pull.consumer, pull.pulled.get(stored, -1), remaining, read, now)
+            pulled = NOTHING_TO_RESEND if ahead else pull.pulled.get(stored, -1)
+            handed, action = group.pull(pull.consumer, pulled, remaining, read, now)
             if action is not None:
                 entries.append(GroupAction(stored, pull.key, action))
             if handed.seqs:
@@ -347,6 +366,7 @@ class Consuming:
         now = asyncio.get_running_loop().time()
         self.left_at = {c: t for c, t in self.left_at.items() if t > now - LEFT_KEPT_S}
         self.left_at.update((item[2], now) for item in leaves)
+        self.ahead.left(item[2] for item in leaves)
         released, end = 0, 0
         for stored, key, consumer, seen in leaves:
             group = core.state.group(stored, key)

@@ -54,6 +54,8 @@ class BrokerCore:
         self.replicated_upto: Callable[[], int | None] = lambda: None
         self.retries_changed = asyncio.Event()  # a retry was scheduled: the retry loop looks again
         self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)  # subject -> waiting pulls
+        # told the base subjects of new messages once their waiting pulls are woken (ahead.py)
+        self.stored_listeners: list[Callable[[set[str]], None]] = []
 
     # ---- the journal ----------------------------------------------------------------------------
 
@@ -94,11 +96,13 @@ class BrokerCore:
 
     def wake(self, subjects: Iterable[str]) -> None:
         """Messages of `subjects` were stored: wake the pulls waiting for them."""
-        for stored in subjects:
-            subject = base_subject(stored)  # a queue's messages wake the ordered pulls of its subject
+        bases = {base_subject(stored) for stored in subjects}  # a queue's messages wake its subject's ordered pulls
+        for subject in bases:
             for future in self._waiters.pop(subject, ()):
                 if not future.done():
                     future.set_result(None)
+        for listener in self.stored_listeners:
+            listener(bases)
 
     # ---- reading --------------------------------------------------------------------------------
 

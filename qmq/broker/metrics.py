@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 
 from qmq.metrics import ReplicationMetrics, RequestMetrics, StoreMetrics, new_registry
@@ -42,6 +42,11 @@ SUBJECT_MESSAGES = Gauge(
     "qmq_broker_subject_messages",
     "Messages ever stored in the subject",
     ["subject"],
+    registry=REGISTRY,
+)
+SERVED_AHEAD = Counter(
+    "qmq_broker_served_ahead",
+    "Messages recorded for a prefetching consumer between its pulls, journalled with their send (ahead.py)",
     registry=REGISTRY,
 )
 READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only", registry=REGISTRY)

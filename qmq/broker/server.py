@@ -12,6 +12,7 @@ from pathlib import Path
 
 from qmq import metrics as prometheus
 from qmq.broker import metrics
+from qmq.broker.ahead import AHEAD_WINDOW_S
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.queue_lease import ORDERED_LEASE_S
 from qmq.broker.roles import BrokerDuty
@@ -54,6 +55,7 @@ async def serve_broker(
     token: str | None = None,
     metrics_port: int | None = None,
     consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
+    ahead_window_s: float = AHEAD_WINDOW_S,
     ordered_lease_s: float = ORDERED_LEASE_S,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     ack_replicas: int | None = None,
@@ -72,7 +74,11 @@ async def serve_broker(
         await server.start()
         address = advertise or f"{host}:{server.port}"
         group_name = group or f"broker-{server.port}"
-        options = {"consumer_timeout_s": consumer_timeout_s, "max_attempts": max_attempts}
+        options = {
+            "consumer_timeout_s": consumer_timeout_s,
+            "max_attempts": max_attempts,
+            "ahead_window_s": ahead_window_s,
+        }
         duty = BrokerDuty({**options, "ordered_lease_s": ordered_lease_s}, config)
         roles = Roles(
             store,

@@ -23,6 +23,7 @@ from typing import Any
 
 from qmq.broker import metrics
 from qmq.broker.admin import Administration
+from qmq.broker.ahead import AHEAD_WINDOW_S
 from qmq.broker.background import BackgroundWork
 from qmq.broker.consuming import Consuming
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS, BrokerCore, Clock
@@ -52,6 +53,7 @@ class BrokerService(Service):
         *,
         state_dir: Path | None = None,
         consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S,
+        ahead_window_s: float = AHEAD_WINDOW_S,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         limits: Limits = DEFAULT_LIMITS,
         clock: Clock = time.time,
@@ -66,7 +68,7 @@ class BrokerService(Service):
             store, state, consumer_timeout_s=consumer_timeout_s, max_attempts=max_attempts, limits=limits, clock=clock
         )
         self.background = BackgroundWork(self.core, state_dir)
-        self.sending, self.consuming = Sending(self.core), Consuming(self.core)
+        self.sending, self.consuming = Sending(self.core), Consuming(self.core, ahead_window_s)
         self.admin = admin = Administration(self.core)
         self.handlers |= {
             RequestCode.BROKER_SEND: self.sending.send,

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from qmq.broker.ahead import AHEAD_WINDOW_S
 from qmq.broker.core import DEFAULT_CONSUMER_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from qmq.broker.queue_lease import ORDERED_LEASE_S
 from qmq.broker.server import DEFAULT_HOST, DEFAULT_PORT, run, store_config_for
@@ -75,6 +76,15 @@ MAX_LAG = tuning("--max-lag", DURATION, f"{MAX_LAG_S:g}s", MAX_LAG_HELP)
     DEFAULT_CONSUMER_TIMEOUT_S,
     "seconds of silence after which a consumer's unacked messages go to others",
     "consumer_timeout_s",
+)
+@tuning(
+    "--serve-ahead",
+    click.FloatRange(min=0),
+    AHEAD_WINDOW_S,
+    "seconds after a prefetching consumer's pull during which new messages are served to it ahead of its "
+    "next pull, journalled with their send (0: never)",
+    "ahead_window_s",
+    metavar="SECONDS",
 )
 @tuning("--ordered-lease", click.FloatRange(min=1), ORDERED_LEASE_S, ORDERED_LEASE_HELP, "ordered_lease_s")
 @tuning(

@@ -243,11 +243,12 @@ class SubscriptionState:
         received without a gap, so the broker resends anything after it not yet acknowledged."""
         o = self.options
         pulled = {key[1]: t.pulled for key, t in self._trackers.items() if key[0] == address and t.pulled is not None}
+        count = max(1, min(max_count, MAX_PULL_MESSAGES))
         return {
             "subject": o.subject,
             "group": o.group,
             "consumer": o.consumer,
-            "max": max(1, min(max_count, MAX_PULL_MESSAGES)),
+            "max": count,
             "wait_ms": int(max(0.0, min(wait_s, MAX_PULL_WAIT_S)) * 1000),
             "tags": list(o.tags),
             "match_all": o.match_all,
@@ -255,6 +256,9 @@ class SubscriptionState:
             "start": o.start,
             "pulled": pulled,
             **({"queues": list(self.queues)} if self.queues is not None else {}),
+            # prefetching, a pull that waits (not the subscription's registration): what is stored
+            # before the next pull arrives is served ahead (qmq/broker/ahead.py)
+            **({"ahead": count} if o.prefetch and wait_s > 0 and self.queues is None and not o.broadcast else {}),
         }
 
     def accept(self, address: str, reply: dict[str, Any], generation: int | None = None) -> list[Delivery]:

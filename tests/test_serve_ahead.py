@@ -1,0 +1,104 @@
+"""Serving ahead (qmq/broker/ahead.py), on a real `qmq broker`: a message stored while a prefetching
+consumer is between two pulls is recorded for it at once, journalled with the send, and its next
+pull hands it out; another consumer of the group does not get it; the record survives a SIGKILL; a
+consumer that leaves gives it back with its attempt unchanged; a pull that did not ask, or came
+longer ago than the window, is served nothing ahead."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import ErrorCode, RemoteError
+from tests.support.broker import Broker, RawConsumer, restart_broker, send, start_broker
+
+CONSUMER_TIMEOUT_S = 600  # the sweep never gives anything back during these tests
+WINDOW_S = 60.0  # --serve-ahead: each test's steps come well within it, however slow the machine
+SHORT_WINDOW_S = 0.3
+
+
+@pytest.fixture
+def broker(processes, tmp_path) -> Broker:
+    return start_broker(
+        processes,
+        tmp_path / "broker",
+        "--consumer-timeout",
+        str(CONSUMER_TIMEOUT_S),
+        "--serve-ahead",
+        str(WINDOW_S),
+    )
+
+
+def consumer(broker: Broker, name: str, **options) -> RawConsumer:
+    return RawConsumer(broker.connect(client_id=name), "orders", "billing", name, {"start": "earliest", **options})
+
+
+def ids(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}-{i:03d}" for i in range(n)]
+
+
+def test_a_message_stored_between_pulls_waits_for_the_prefetching_consumer(broker):
+    ahead, other = consumer(broker, "ahead", ahead=5), consumer(broker, "other")
+    assert ahead.pull(wait_ms=0) == [] and other.pull(wait_ms=0) == []  # both known; "ahead" is now away
+    with broker.connect() as conn:
+        send(conn, "orders", ids("m", 3))
+    assert other.pull(wait_ms=0) == []  # stored for "ahead" with the send, before anyone asked
+    served = ahead.pull(wait_ms=0)
+    assert [(d.id, d.attempt, d.pull_seq) for d in served] == [(i, 1, n) for n, i in enumerate(ids("m", 3))]
+    ahead.ack(served)
+    with broker.connect() as conn:  # served once per absence, up to `ahead`: the rest is anyone's
+        send(conn, "orders", ids("n", 8))
+    assert [d.id for d in other.pull(wait_ms=0)] == ids("n", 8)[5:]
+    assert [d.id for d in ahead.pull(wait_ms=0)] == ids("n", 8)[:5]
+
+
+def test_what_was_served_ahead_survives_a_kill(processes, broker):
+    ahead, other = consumer(broker, "ahead", ahead=5), consumer(broker, "other")
+    assert ahead.pull(wait_ms=0) == [] and other.pull(wait_ms=0) == []
+    with broker.connect() as conn:
+        send(conn, "orders", ids("k", 2))
+    broker.proc.send_signal(signal.SIGKILL)
+    broker.proc.wait(30)
+    restarted = restart_broker(processes, broker)
+    other = consumer(restarted, "other")
+    assert other.pull(wait_ms=0) == []  # the journal still says "ahead" holds them
+    assert [(d.id, d.attempt) for d in consumer(restarted, "ahead").pull(wait_ms=0)] == [("k-000", 1), ("k-001", 1)]
+
+
+def test_a_consumer_that_leaves_gives_back_what_it_was_served_ahead(broker):
+    ahead, other = consumer(broker, "ahead", ahead=5), consumer(broker, "other")
+    assert ahead.pull(wait_ms=0) == [] and other.pull(wait_ms=0) == []
+    with broker.connect() as conn:
+        send(conn, "orders", ids("l", 2))
+        assert other.pull(wait_ms=0) == []
+        assert conn.request(RequestCode.BROKER_LEAVE, {"leaves": [["orders", "billing", "ahead", -1]]}) == {
+            "released": 2
+        }
+        assert [(d.id, d.attempt) for d in other.drain(2, wait_ms=2000)] == [("l-000", 1), ("l-001", 1)]
+        send(conn, "orders", ["after"])  # gone: served nothing more
+    assert [d.id for d in other.pull(wait_ms=0)] == ["after"]
+
+
+def test_only_a_pull_that_asks_is_served_ahead(broker):
+    plain, other = consumer(broker, "plain"), consumer(broker, "other")
+    assert plain.pull(wait_ms=0) == [] and other.pull(wait_ms=0) == []
+    with broker.connect() as conn:
+        send(conn, "orders", ["p-000"])
+    assert [d.id for d in other.pull(wait_ms=0)] == ["p-000"]
+    for bad in (-1, 5000, "5"):
+        with pytest.raises(RemoteError) as refused:
+            consumer(broker, "bad", ahead=bad).pull(wait_ms=0)
+        assert refused.value.code == ErrorCode.BAD_REQUEST
+
+
+def test_a_consumer_away_longer_than_the_window_is_served_nothing_ahead(processes, tmp_path):
+    broker = start_broker(processes, tmp_path / "short", "--serve-ahead", str(SHORT_WINDOW_S))
+    ahead, other = consumer(broker, "ahead", ahead=5), consumer(broker, "other")
+    assert ahead.pull(wait_ms=0) == [] and other.pull(wait_ms=0) == []
+    time.sleep(SHORT_WINDOW_S * 2)  # the window running out is what is tested
+    with broker.connect() as conn:
+        send(conn, "orders", ["late"])
+    assert [d.id for d in other.pull(wait_ms=0)] == ["late"]
