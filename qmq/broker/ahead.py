@@ -3,13 +3,13 @@ in advance, journalled right behind the send that stored them, so that its next 
 durable and answers at once instead of waiting for a journal fsync of its own.
 
 Without it, a message that comes while the consumer's next pull is still on its way pays two fsyncs
-in series before it reaches the consumer: its send's, then that pull's journal entry's (docs/benchmarks.md,
-"Where a message's latency goes"). A pull with `ahead: N` (the client's `prefetch=True`) asks for
-it. From that pull's reply until the consumer's next pull arrives, for at most AHEAD_WINDOW_S
-(`qmq broker --serve-ahead`), up to
-N messages of its subject stored meanwhile and not taken by a pull already waiting are recorded in
-its pull log (the `Pull` entry a pull journals); the next pull hands them out as it hands out
-anything recorded for the consumer and not yet received.
+in series before it reaches the consumer: its send's, then that pull's journal entry's
+(docs/benchmarks.md). A pull with `ahead: N` (the client's `prefetch=True`) asks for it. From the
+moment that pull has its messages (its reply then waits for their journal entry), or is answered
+empty, until the consumer's next pull arrives, for at most AHEAD_WINDOW_S (`qmq broker
+--serve-ahead`), up to N messages of its subject stored meanwhile and not taken by a pull already
+waiting are recorded in its pull log (the `Pull` entry a pull journals); the next pull hands them out
+as it hands out anything recorded for the consumer and not yet received.
 
 Promises, the same as for a pull: a message is handed to one consumer of a group at a time; nothing
 reaches a consumer before its journal entry is durable (`reserved_end`); a consumer that closes gives
@@ -52,8 +52,11 @@ class ServeAhead:
         self.reserved_end = 0
         core.stored_listeners.append(self.stored)
 
-    def replied(self, pull: PullRequest) -> None:
-        """`pull` is answered: if it asked to be served ahead, its consumer is away until its next pull."""
+    def answering(self, pull: PullRequest) -> None:
+        """`pull` has taken what it hands out (its reply waits for the journal) or is answered empty:
+        if it asked to be served ahead, its consumer is away until its next pull. Messages stored
+        while the reply still waits for its fsync are served ahead too: they share the next fsync
+        with their send, where the next pull would have paid one more."""
         if pull.ahead and self.window_s > 0:
             until = asyncio.get_running_loop().time() + self.window_s
             self.away[(pull.subject, pull.key, pull.consumer)] = (pull, until)

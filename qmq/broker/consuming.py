@@ -123,7 +123,7 @@ class Consuming:
         started = asyncio.get_running_loop().time()
         reply = await self._pull(pull, started)
         if pull.ahead and self.left_at.get(pull.consumer, -1.0) < started:  # not after its consumer left
-            self.ahead.replied(pull)
+            self.ahead.answering(pull)
         return reply
 
     async def _pull(self, pull: PullRequest, started: float) -> dict[str, Any]:
@@ -133,6 +133,8 @@ class Consuming:
             if self.left_at and self.left_at.get(pull.consumer, -1.0) >= started:
                 return {"batches": []}  # the consumer left while this pull waited
             batches, end = self._take(pull)
+            if batches and pull.ahead:
+                self.ahead.answering(pull)  # from now: what comes during the fsync below is its next
             if batches and self.ahead.reserved_end:  # what was served ahead goes out once journalled
                 end = max(end or 0, self.ahead.reserved_end)
             if end is not None:
