@@ -8,7 +8,9 @@ before a peer is measured, every thread of the process listening on its port, an
 children (PostgreSQL's backends and writers), gets the benchmark's niceness. (Measured on an idle
 machine, it mattered little: NATS at 0 against -15, alternated, produced 30,600 - 31,600 against
 32,200 - 34,700 msg/s; it matters when other work competes for the cores.) Lowering a niceness needs
-root (or CAP_SYS_NICE); where it is refused, the line printed says the comparison is uneven.
+root (or CAP_SYS_NICE); where it is refused, the line printed says the comparison is uneven. Once
+the peer is measured, `restore` gives each thread that is still there its niceness back, so the
+machine's own services do not stay at the benchmark's.
 
 Linux only (/proc); elsewhere it says it could not tell.
 """
@@ -19,6 +21,7 @@ import os
 from pathlib import Path
 
 PROC = Path("/proc")
+_changed: dict[int, int] = {}  # thread id -> its niceness before `match` changed it
 TCP_LISTEN = "0A"  # the state column of /proc/net/tcp for a listening socket
 
 
@@ -91,8 +94,10 @@ def match(port: int, label: str) -> str:
     for pid in pids:
         for tid in threads(pid):
             try:
-                if os.getpriority(os.PRIO_PROCESS, tid) != own:
+                before = os.getpriority(os.PRIO_PROCESS, tid)
+                if before != own:
                     os.setpriority(os.PRIO_PROCESS, tid, own)
+                    _changed.setdefault(tid, before)
                     changed += 1
             except PermissionError:
                 refused += 1
@@ -104,3 +109,16 @@ def match(port: int, label: str) -> str:
             "(needs root); run the benchmark without nice, or as root"
         )
     return f"# {label}: {len(pids)} process(es) on port {port} at niceness {own} ({changed} threads changed)"
+
+
+def restore() -> int:
+    """Give every thread `match` changed its niceness back (those still running); how many."""
+    restored = 0
+    for tid, before in list(_changed.items()):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, before)
+            restored += 1
+        except (PermissionError, ProcessLookupError):
+            pass
+        del _changed[tid]
+    return restored

@@ -99,6 +99,8 @@ def measure(system: System, options: Options, start_stopped: bool, match_priorit
         error = f"{type(exc).__name__}: {exc}"
         print(f"# {system.label}: {error}", file=sys.stderr, flush=True)
         return [Measurement(system.label, "", "", "", error=error)]
+    finally:
+        priority.restore()
 
 
 def uptime() -> str:
