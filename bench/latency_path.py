@@ -12,7 +12,8 @@ per delivery, as bench/peers' latency case but in two processes; uvloop in all t
 stamps with `time.perf_counter()`, which is CLOCK_MONOTONIC, one clock for the whole machine, so the
 phases of one message line up across the processes (joined by message id). Prints p50 and p90 of
 each phase, and how often the consumer's pull was already waiting at the broker when the message
-came. Not run in CI; figures in docs/benchmarks.md.
+came, how often the message was served ahead of the consumer's next pull (--prefetch), and the
+total for each of those cases. Not run in CI; figures in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ def traced_broker(args: list[str]) -> None:
         "pull",
         lambda body, reply: [m["id"] for b in reply.get("batches", ()) for m in b["messages"]],
     )
+    take_ahead = consuming.Consuming._take_ahead
+
+    def traced_take_ahead(self: consuming.Consuming, pull: object) -> tuple[list[dict], int | None]:
+        batches, end = take_ahead(self, pull)
+        trace["ahead"].extend((0.0, 0.0, m["id"]) for b in batches for m in b["messages"])
+        return batches, end
+
+    consuming.Consuming._take_ahead = traced_take_ahead  # type: ignore[method-assign]
     sync = message_log.MessageLog.sync
 
     def timed_sync(self: message_log.MessageLog) -> int:
@@ -156,6 +165,7 @@ def quantiles(values: list[float]) -> str:
 def report(received: dict, trace: dict) -> None:
     send_at = {i: (start, end) for start, end, ids in trace["send"] for i in ids}
     pull_of = {i: (start, end) for start, end, ids in trace["pull"] for i in ids}
+    served_ahead = {i for _, _, i in trace.get("ahead", ())}
     phases: dict[str, list[float]] = defaultdict(list)
     waiting = 0
     for message_id, (stamp, receipt) in received.items():
@@ -167,13 +177,20 @@ def report(received: dict, trace: dict) -> None:
         phases["consumer: that pull returns at the broker -> pull() returns"].append(receipt - pull_end)
         phases["total: send_one called -> pull() returns it"].append(receipt - stamp)
         waiting += pull_start < send_start
+        if pull_start < send_start:
+            phases["total, the pull was waiting at the broker"].append(receipt - stamp)
+        elif message_id in served_ahead:
+            phases["total, served ahead (qmq/broker/ahead.py)"].append(receipt - stamp)
+        else:
+            phases["total, neither: taken by the next pull when it came"].append(receipt - stamp)
     for name, values in phases.items():
         print(f"{name:66s} {quantiles(values)}")
     fsyncs = [end - start for start, end, _ in trace["fsync"]]
     print(f"{'broker: fsync of the message log':66s} {quantiles(fsyncs)}")
     print(
         f"# {len(received)} messages, {len(trace['pull'])} pulls, {len(fsyncs)} fsyncs; the pull was already "
-        f"waiting at the broker for {100 * waiting / len(received):.0f}% of the messages"
+        f"waiting at the broker for {100 * waiting / len(received):.0f}% of the messages, "
+        f"{100 * len(served_ahead & set(received)) / len(received):.0f}% were served ahead"
     )
 
 

@@ -98,7 +98,8 @@ class OutgoingMessage:
 
     def to_wire(self, known_subjects: set[str] | None = None) -> dict[str, Any]:
         """`{"id", "subject", "payload", "key", "tags"}` as BROKER_SEND carries the message, its body
-        wrapped in the envelope, checked as a broker checks it (see `check_message`).
+        wrapped in the envelope, checked as a broker checks it (see `check_message`); no key and no
+        tags are left out (`wire`).
         `known_subjects`: subjects already found valid, to skip."""
         checked = self.__dict__.get(CHECKED_WIRE)
         if checked is not None:  # `check_message` built it already (an outbox's after-commit send)
@@ -118,8 +119,7 @@ class OutgoingMessage:
             created_at=self.created_at,
             content_type=self.content_type,
         )
-        wire = {"id": self.id, "subject": subject, "payload": payload, "key": self.key, "tags": list(self.tags)}
-        return check_wire(wire, known_subjects)
+        return check_wire(wire(self.id, subject, payload, self.key, self.tags), known_subjects)
 
 
 class ForwardedMessage(OutgoingMessage):
@@ -141,15 +141,9 @@ class ForwardedMessage(OutgoingMessage):
         object.__setattr__(self, "payload", payload)
 
     def to_wire(self, known_subjects: set[str] | None = None) -> dict[str, Any]:
-        wire = {
-            "id": self.id,
-            "subject": self.subject,
-            "payload": self.payload,
-            "key": self.key,
-            "tags": list(self.tags),
-            ONCE_FIELD: True,
-        }
-        return check_wire(wire, known_subjects)
+        forwarded = wire(self.id, self.subject, self.payload, self.key, self.tags)
+        forwarded[ONCE_FIELD] = True
+        return check_wire(forwarded, known_subjects)
 
 
 def check_message(message: OutgoingMessage) -> dict[str, Any]:
@@ -185,14 +179,23 @@ def deliver_at_ms(value: datetime | int) -> int:
     raise TypeError(f"deliver_at must be an aware datetime or ms since the epoch, not {type(value).__name__}")
 
 
+def wire(message_id: str, subject: str, payload: bytes, key: str | None, tags: Sequence[str]) -> dict[str, Any]:
+    """A message as BROKER_SEND carries it. An empty key and empty tags are left out (the broker
+    stores none for either): two fields fewer to pack and unpack with every message."""
+    out: dict[str, Any] = {"id": message_id, "subject": subject, "payload": payload}
+    if key:
+        out["key"] = key
+    if tags:
+        out["tags"] = list(tags)
+    return out
+
+
 def check_wire(wire: dict[str, Any], known_subjects: set[str] | None = None) -> dict[str, Any]:
-    """`wire` if a broker would store it, else `InvalidMessage` with the broker's error code; an empty
-    key is sent as none, as the broker stores it."""
+    """`wire` if a broker would store it, else `InvalidMessage` with the broker's error code."""
     try:
         validate_sent_message(wire, DEFAULT_LIMITS, set() if known_subjects is None else known_subjects)
     except ProtocolError as exc:
         raise InvalidMessage(exc.code, exc.message) from None
-    wire["key"] = wire["key"] or None
     return wire
 
 
