@@ -259,15 +259,19 @@ def no_route_error(client_meta: str | None, subject: str) -> NoRoute:
     return NoRoute(f"no broker group carries subject {subject!r} ({where} knows none: are brokers running?)")
 
 
+STATIC_ROUTES_KEPT = 4096  # subjects whose static route is kept (then the cache starts again)
+
+
 class RouteBook:
     """A client's routes: from the meta server, through a `RouteCache`, or from the addresses given
-    directly (`meta` None). Thread-safe."""
+    directly (`meta` None; each subject's route made once, as it never changes). Thread-safe."""
 
     def __init__(self, meta: str | None, brokers: Sequence[str] = (), delay_servers: Sequence[str] = ()) -> None:
         self.meta = meta
         self.brokers = tuple(brokers)
         self.delay_servers = tuple(delay_servers)
         self.cache = RouteCache()
+        self._static: dict[tuple[str, bool], Route] = {}  # (subject, delayed only) -> its route
 
     def lookup(self, subject: str, *, refresh: bool = False, delayed_only: bool = False) -> Steps[Route]:
         """The broker groups of `subject`, from the cache while it is fresh (`refresh` asks anyway).
@@ -275,9 +279,9 @@ class RouteBook:
         asking again; raises `MetaUnreachable` when there is none. `delayed_only` (only delayed
         messages to send) with delay servers given directly needs no meta server at all."""
         if self.meta is None:
-            return static_route(subject, self.brokers, self.delay_servers)
+            return self._static_route(subject, False)
         if delayed_only and self.delay_servers:
-            return static_route(subject, (), self.delay_servers)
+            return self._static_route(subject, True)
         now = time.monotonic()
         if not refresh and (route := self.cache.fresh(subject, now)) is not None:
             return route
@@ -294,6 +298,15 @@ class RouteBook:
             raise reply
         route = with_delay_servers(parse_route(subject, reply), self.delay_servers)
         self.cache.put(route, now)
+        return route
+
+    def _static_route(self, subject: str, delayed_only: bool) -> Route:
+        route = self._static.get((subject, delayed_only))
+        if route is None:
+            if len(self._static) >= STATIC_ROUTES_KEPT:
+                self._static.clear()
+            route = static_route(subject, () if delayed_only else self.brokers, self.delay_servers)
+            self._static[(subject, delayed_only)] = route
         return route
 
     def invalidate(self, subjects: Iterable[str]) -> None:
