@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qmq.broker")
 
-AHEAD_WINDOW_S = 1.0  # after a pull's reply, how long its consumer counts as coming back for more
+AHEAD_WINDOW_S = 1.0  # once a pull has its messages (or its empty reply), how long its consumer counts as coming back
 
 Take = Callable[["PullRequest"], "tuple[list[dict], int | None]"]  # Consuming._take_ahead
 
@@ -41,7 +41,7 @@ class ServeAhead:
     """The consumers between two pulls that asked to be served ahead, and the reservations for them."""
 
     def __init__(self, core: BrokerCore, take: Take, window_s: float = AHEAD_WINDOW_S) -> None:
-        """`window_s`: how long after its pull's reply a consumer counts as coming back (0: never)."""
+        """`window_s`: how long after its pull (`answering`) a consumer counts as coming back (0: never)."""
         self.core = core
         self._take = take
         self.window_s = window_s
