@@ -98,8 +98,8 @@ class OutgoingMessage:
 
     def to_wire(self, known_subjects: set[str] | None = None) -> dict[str, Any]:
         """`{"id", "subject", "payload", "key", "tags"}` as BROKER_SEND carries the message, its body
-        wrapped in the envelope, checked as a broker checks it (see `check_message`); no key and no
-        tags are left out (`wire`).
+        wrapped in the envelope, checked as a broker checks it (see `check_message`); an empty key
+        and empty tags are left out (`wire`).
         `known_subjects`: subjects already found valid, to skip."""
         checked = self.__dict__.get(CHECKED_WIRE)
         if checked is not None:  # `check_message` built it already (an outbox's after-commit send)
