@@ -192,6 +192,18 @@ def test_pull_request_names_what_was_received(state: SubscriptionState) -> None:
     assert state.pull_request(A, 10, 99)["wait_ms"] == 30_000
 
 
+def test_a_pull_that_waits_asks_to_be_served_ahead_when_told_to() -> None:
+    def asks(**options) -> list[int | None]:
+        state = SubscriptionState(SubscribeOptions("order.created", "billing", "c1", **options))
+        return [state.pull_request(A, 16, wait_s).get("ahead") for wait_s in (1.0, 0)]
+
+    assert asks() == [None, None]
+    assert asks(serve_ahead=True) == [16, None]  # not the registration pull, which waits for nothing
+    assert asks(prefetch=True) == [16, None]
+    assert asks(serve_ahead=True, broadcast=True) == [None, None]  # nobody else would take them
+    assert asks(serve_ahead=True, ordered=True) == [None, None]  # a queue's holder has them anyway
+
+
 def test_leave_requests_name_what_the_application_was_handed(state: SubscriptionState) -> None:
     retry = "%RETRY%order.created%billing"
     state.accept(A, {"batches": [batch(retry, 0, ["r1"]), batch("order.created", 7, ["m1", "m2", "m3"])]})

@@ -102,3 +102,16 @@ def test_a_consumer_away_longer_than_the_window_is_served_nothing_ahead(processe
     with broker.connect() as conn:
         send(conn, "orders", ["late"])
     assert [d.id for d in other.pull(wait_ms=0)] == ["late"]
+
+
+def test_served_ahead_no_more_than_the_room_the_pull_left(broker):
+    ahead, other = consumer(broker, "ahead", ahead=64), consumer(broker, "other")
+    assert ahead.pull(max_count=3, wait_ms=0) == [] and other.pull(wait_ms=0) == []  # room for 3
+    with broker.connect() as conn:
+        send(conn, "orders", ids("a", 2))  # both served ahead: room for 1 more in the same absence
+        send(conn, "orders", ids("b", 2))
+    assert [d.id for d in other.pull(wait_ms=0)] == ["b-001"]
+    assert [d.id for d in ahead.pull(max_count=3, wait_ms=0)] == ["a-000", "a-001", "b-000"]
+    with broker.connect() as conn:  # that pull took all it asked for: no room, nothing served ahead
+        send(conn, "orders", ids("c", 2))
+    assert [d.id for d in other.pull(wait_ms=0)] == ids("c", 2)

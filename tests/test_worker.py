@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.broker import ROOT, restart_broker, start_broker
+from tests.support.broker import ROOT, RawConsumer, restart_broker, start_broker
 from tests.support.databases import fresh_database
 from tests.support.processes import free_port
 from tests.support.worker import (
     EXIT_TIMEOUT_S,
+    GROUP,
     SUBJECT,
     TABLES,
     app_database,
@@ -180,6 +181,28 @@ def test_four_workers_share_a_backlog(processes, broker, db_url) -> None:
     assert Counter(row[0] for row in rows) == Counter(ids)
     per_worker = Counter(row[2] for row in rows)
     assert set(per_worker) == {"w0", "w1", "w2", "w3"}, per_worker  # every worker took a share
+
+
+def test_a_busy_worker_is_served_ahead_no_more_than_its_credit(processes, tmp_path, db_url) -> None:
+    # One slot, prefetch multiplier 4: while the slot runs a long handler the worker's pulls ask for
+    # at most 4 - 1 more. The broker journals what comes meanwhile for the worker's next pull, up to
+    # the room its last pull left (qmq/broker/ahead.py); the rest stays the group's.
+    broker = start_broker(processes, tmp_path / "ahead", "--serve-ahead", "60", "--consumer-timeout", "600")
+    start_worker(processes, [broker], db_url, "-c", "1", "--prefetch-multiplier", "4", name="busy")
+    [long] = send_bodies([broker], [{"sleep": 8}])
+    wait_for(lambda: query(db_url, "SELECT 1 FROM worker_attempts WHERE message_id = %s", long), "the slot is busy")
+    [second] = send_bodies([broker], [{}])  # taken by the worker's next pull (asking for 3), or served ahead
+    wait_for(lambda: group_totals([broker])["in_flight"] == 2, "the worker holds 2")
+    # The worker is out of credit now and does not pull: only serving ahead gives it more, up to 2.
+    rest = send_bodies([broker], [{}] * 4)
+    raw = RawConsumer(broker.connect(client_id="raw"), SUBJECT, GROUP, "raw", {"start": "earliest"})
+    got = raw.pull(wait_ms=0)
+    assert not handled(db_url), "the long handler ended before the check: nothing was tested"
+    assert [d.id for d in got] == rest[2:]
+    raw.ack(got)
+    wait_for(lambda: handled_count(db_url) == 4, "the worker handled what it was served")
+    assert sorted(row[0] for row in handled(db_url)) == sorted([long, second, *rest[:2]])
+    wait_for(lambda: group_totals([broker])["in_flight"] == 0, "all acked")
 
 
 def test_broadcast_reaches_every_worker(processes, broker, db_url) -> None:

@@ -124,7 +124,9 @@ class Feeder:
 
     def _subscription_options(self) -> dict[str, Any]:
         c = self.consumer
-        return {"tags": c.tags, "match_all": c.match_all, "broadcast": c.broadcast}
+        # serve_ahead: what comes while this feeder dispatches is journalled for its next pull, up to
+        # the credit its last pull left unused (capacity.py), so that pull answers without an fsync
+        return {"tags": c.tags, "match_all": c.match_all, "broadcast": c.broadcast, "serve_ahead": True}
 
     def _pull(self, take: int) -> list[Delivery]:
         assert self.subscription is not None

@@ -8,7 +8,8 @@ in series before it reaches the consumer: its send's, then that pull's journal e
 moment that pull has its messages (its reply then waits for their journal entry), or is answered
 empty, until the consumer's next pull arrives, for at most AHEAD_WINDOW_S (`qmq broker
 --serve-ahead`), up to N messages of its subject stored meanwhile and not taken by a pull already
-waiting are recorded in its pull log (the `Pull` entry a pull journals); the next pull hands them out
+waiting, and no more than the pull's `max` less what it took (the room the consumer said it had),
+are recorded in its pull log (the `Pull` entry a pull journals); the next pull hands them out
 as it hands out anything recorded for the consumer and not yet received.
 
 Promises, the same as for a pull: a message is handed to one consumer of a group at a time; nothing
@@ -34,7 +35,7 @@ log = logging.getLogger("qmq.broker")
 
 AHEAD_WINDOW_S = 1.0  # once a pull has its messages (or its empty reply), how long its consumer counts as coming back
 
-Take = Callable[["PullRequest"], "tuple[list[dict], int | None]"]  # Consuming._take_ahead
+Take = Callable[["PullRequest", int], "tuple[list[dict], int | None]"]  # Consuming._take_ahead
 
 
 class ServeAhead:
@@ -45,21 +46,26 @@ class ServeAhead:
         self.core = core
         self._take = take
         self.window_s = window_s
-        # (subject, group key, consumer) -> its last pull, and the loop time it stops counting as away
-        self.away: dict[tuple[str, str, str], tuple[PullRequest, float]] = {}
+        # (subject, group key, consumer) -> its last pull, the loop time it stops counting as away, and
+        # how many messages may be served to it ahead
+        self.away: dict[tuple[str, str, str], tuple[PullRequest, float, int]] = {}
         # the log end after the last reservation's journal entry: a pull that hands out what was
         # reserved waits for it to be durable
         self.reserved_end = 0
         core.stored_listeners.append(self.stored)
 
-    def answering(self, pull: PullRequest) -> None:
-        """`pull` has taken what it hands out (its reply waits for the journal) or is answered empty:
-        if it asked to be served ahead, its consumer is away until its next pull. Messages stored
-        while the reply still waits for its fsync are served ahead too: they share the next fsync
-        with their send, where the next pull would have paid one more."""
-        if pull.ahead and self.window_s > 0:
+    def answering(self, pull: PullRequest, taken: int) -> None:
+        """`pull` has taken `taken` messages to hand out (its reply waits for the journal) or is
+        answered empty: if it asked to be served ahead and had room for more, its consumer is away
+        until its next pull. Messages stored while the reply still waits for its fsync are served
+        ahead too: they share the next fsync with their send, where the next pull would have paid
+        one more. A consumer that took all it asked for has no room: a worker's pull asks for what
+        its free slots can start soon (worker/capacity.py), and serving it more would hold messages
+        back from the rest of its group."""
+        room = min(pull.ahead, pull.max_count - taken)
+        if room > 0 and self.window_s > 0:
             until = asyncio.get_running_loop().time() + self.window_s
-            self.away[(pull.subject, pull.key, pull.consumer)] = (pull, until)
+            self.away[(pull.subject, pull.key, pull.consumer)] = (pull, until, room)
 
     def back(self, pull: PullRequest) -> None:
         """`pull` arrived: its consumer is no longer away."""
@@ -75,19 +81,19 @@ class ServeAhead:
     def stored(self, subjects: set[str]) -> None:
         """Messages of `subjects` (base subjects) were stored and the pulls waiting for them woken:
         once those pulls have taken theirs (they run first, being woken first), reserve the rest."""
-        if any(pull.subject in subjects for pull, _ in self.away.values()):
+        if any(pull.subject in subjects for pull, _, _ in self.away.values()):
             asyncio.get_running_loop().call_soon(self._reserve, subjects)
 
     def _reserve(self, subjects: set[str]) -> None:
         now = asyncio.get_running_loop().time()
-        for key, (pull, until) in list(self.away.items()):
+        for key, (pull, until, room) in list(self.away.items()):
             if until < now:
                 del self.away[key]
                 continue
             if pull.subject not in subjects:
                 continue
             try:
-                batches, end = self._take(pull)
+                batches, end = self._take(pull, room)
             except Exception as exc:  # the store is read-only, a record unreadable: the next pull sees
                 log.debug("cannot serve %s of group %s ahead: %s", pull.consumer, pull.key, exc)
                 del self.away[key]
@@ -95,6 +101,10 @@ class ServeAhead:
             if end is not None:
                 self.reserved_end = max(self.reserved_end, end)
                 self.core.store.flusher.request(end)  # durable while the consumer's pull is on its way
-            if batches:
-                metrics.SERVED_AHEAD.inc(sum(len(b["messages"]) for b in batches))
-                del self.away[key]  # once per absence: the next pull takes them, and asks again
+            served = sum(len(b["messages"]) for b in batches)
+            if served:
+                metrics.SERVED_AHEAD.inc(served)
+                if served < room:
+                    self.away[key] = (pull, until, room - served)
+                else:
+                    del self.away[key]  # no room left: the next pull takes them, and asks again

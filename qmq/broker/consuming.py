@@ -122,8 +122,8 @@ class Consuming:
         self.ahead.back(pull)
         started = asyncio.get_running_loop().time()
         reply = await self._pull(pull, started)
-        if pull.ahead and self.left_at.get(pull.consumer, -1.0) < started:  # not after its consumer left
-            self.ahead.answering(pull)
+        if pull.ahead and not reply["batches"] and self.left_at.get(pull.consumer, -1.0) < started:
+            self.ahead.answering(pull, 0)  # answered empty (a pull with messages counted itself away)
         return reply
 
     async def _pull(self, pull: PullRequest, started: float) -> dict[str, Any]:
@@ -133,8 +133,8 @@ class Consuming:
             if self.left_at and self.left_at.get(pull.consumer, -1.0) >= started:
                 return {"batches": []}  # the consumer left while this pull waited
             batches, end = self._take(pull)
-            if batches and pull.ahead:
-                self.ahead.answering(pull)  # from now: what comes during the fsync below is its next
+            if batches and pull.ahead:  # from now: what comes during the fsync below is its next
+                self.ahead.answering(pull, sum(len(b["messages"]) for b in batches))
             if batches and self.ahead.reserved_end:  # what was served ahead goes out once journalled
                 end = max(end or 0, self.ahead.reserved_end)
             if end is not None:
@@ -146,11 +146,11 @@ class Consuming:
             if remaining <= 0 or not await self.core.wait_for_messages(pull.subject, remaining):
                 return {"batches": [], "lost": lost} if lost else {"batches": []}
 
-    def _take(self, pull: PullRequest, *, ahead: bool = False) -> tuple[list[dict], int | None]:
+    def _take(self, pull: PullRequest, *, ahead: int = 0) -> tuple[list[dict], int | None]:
         """Hand the consumer its next messages: due retries first, then the subject. Returns the
         batches and the log offset to await before replying (None when nothing was journalled).
         Whatever was applied is journalled, even when a read fails half-way. `ahead`: serve up to
-        `pull.ahead` new messages before the consumer asks (ahead.py), resending nothing."""
+        that many new messages before the consumer asks (ahead.py), resending nothing."""
         entries: list[Entry] = []
         batches: list[dict] = []
         try:
@@ -159,13 +159,13 @@ class Consuming:
             end = self.core.commit(entries, delivery=True) if entries else None
         return batches, end
 
-    def _take_ahead(self, pull: PullRequest) -> tuple[list[dict], int | None]:
-        return self._take(pull, ahead=True)
+    def _take_ahead(self, pull: PullRequest, count: int) -> tuple[list[dict], int | None]:
+        return self._take(pull, ahead=count)
 
-    def _take_into(self, entries: list[Entry], batches: list[dict], pull: PullRequest, ahead: bool) -> None:
+    def _take_into(self, entries: list[Entry], batches: list[dict], pull: PullRequest, ahead: int) -> None:
         core, store = self.core, self.core.store
         now = core.clock()
-        remaining = pull.ahead if ahead else pull.max_count
+        remaining = ahead or pull.max_count
         for retry, stored in stored_subjects(core, pull, now):
             group = core.state.group(stored, pull.key)
             if group is None:

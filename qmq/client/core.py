@@ -128,6 +128,7 @@ class ClientCore:
         start: str = "latest",
         ordered: bool = False,
         prefetch: bool = False,
+        serve_ahead: bool = False,
     ) -> Steps[Any]:
         """Consume `subject` as consumer group `group` from every broker group of its route.
 
@@ -141,7 +142,11 @@ class ClientCore:
         `lock_queues` got (docs/ordering.md; the worker does both). `prefetch`: each pull's reply
         is followed at once by the next pull, so the brokers prepare the next messages while the
         application handles these (for throughput; messages fetched ahead and not handed out when
-        the subscription closes come again after the broker's consumer timeout)."""
+        the subscription closes come again after the broker's consumer timeout). `serve_ahead`
+        (implied by `prefetch`): messages stored between a pull's reply and the next pull, up to
+        the room that pull left (`max` less what it got), are recorded for this consumer as they
+        come, so the next pull finds them already journalled and answers without an fsync of its
+        own (lower latency; the rest of the group does not get them meanwhile)."""
         options = SubscribeOptions(
             subject,
             group,
@@ -152,6 +157,7 @@ class ClientCore:
             start,
             ordered,
             prefetch,
+            serve_ahead,
         )
         subscription = yield Subscribe(options)
         self._subscriptions.add(subscription)

@@ -65,6 +65,10 @@ class SubscribeOptions:
     # The next pull goes out as soon as a reply is in, while the application works on it (see
     # `SubscriptionCore.pull`); False: a pull is asked for only when the application calls pull().
     prefetch: bool = False
+    # A pull that waits asks the broker to serve it ahead (qmq/broker/ahead.py): messages stored
+    # between its reply and the next pull, up to the room it left, wait for that pull already
+    # journalled. Implied by `prefetch`; the worker asks for it without prefetching.
+    serve_ahead: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -256,10 +260,14 @@ class SubscriptionState:
             "start": o.start,
             "pulled": pulled,
             **({"queues": list(self.queues)} if self.queues is not None else {}),
-            # prefetching, a pull that waits (not the subscription's registration): what is stored
-            # before the next pull arrives is served ahead (qmq/broker/ahead.py)
-            **({"ahead": count} if o.prefetch and wait_s > 0 and self.queues is None and not o.broadcast else {}),
+            # a pull that waits (not the subscription's registration): what is stored before the
+            # next pull arrives is served ahead (qmq/broker/ahead.py)
+            **({"ahead": count} if self._asks_ahead(wait_s) else {}),
         }
+
+    def _asks_ahead(self, wait_s: float) -> bool:
+        o = self.options
+        return (o.prefetch or o.serve_ahead) and wait_s > 0 and self.queues is None and not o.broadcast
 
     def accept(self, address: str, reply: dict[str, Any], generation: int | None = None) -> list[Delivery]:
         """The new deliveries in a BROKER_PULL reply from `address`, in the order given (`receive`,
