@@ -45,11 +45,15 @@ DRAIN_DEADLINE_S = 600.0  # a backlog not handled within this fails the case
 class Processes:
     """The broker and the worker, as `qmq` processes in a temporary directory."""
 
-    def __init__(self, flush: str) -> None:
+    def __init__(self, flush: str, serve_ahead_s: float | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="qmq-bench-worker-"))
         self.broker_port = free_port()
+        self.broker_metrics_port = free_port()
+        options = ["--metrics-port", str(self.broker_metrics_port)]
+        if serve_ahead_s is not None:
+            options += ["--serve-ahead", str(serve_ahead_s)]
         self.broker = subprocess.Popen(
-            broker_command(self.dir / "broker", self.broker_port, flush),
+            broker_command(self.dir / "broker", self.broker_port, flush) + options,
             cwd=ROOT,
             env={**os.environ, "QMQ_META": "", "QMQ_TOKEN": ""},
         )
@@ -95,12 +99,17 @@ class Processes:
 
 
 def succeeded(port: int) -> float:
+    return metric_sum(port, "qmq_worker_messages_succeeded_total")
+
+
+def metric_sum(port: int, name: str) -> float:
+    """The sum of a counter's samples on a process's /metrics."""
     with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("qmq_worker_messages_succeeded_total{")
+        if line.startswith((name + "{", name + " "))
     )
 
 
@@ -152,7 +161,9 @@ def latency(procs: Processes, rate: int, seconds: float) -> dict:
     time.sleep(1.0)
     worker.send_signal(signal.SIGTERM)
     worker.wait(60)
-    return latency_figures(out, total)
+    # how many reached the worker through serving ahead (qmq/broker/ahead.py)
+    served_ahead = int(metric_sum(procs.broker_metrics_port, "qmq_broker_served_ahead_total"))
+    return {**latency_figures(out, total), "served_ahead": served_ahead}
 
 
 def latency_figures(out: Path, sent: int) -> dict:
@@ -208,9 +219,12 @@ def main() -> None:
     parser.add_argument("--pool", default="threads", choices=["threads", "processes", "solo"])
     parser.add_argument("--broker-flush", default="sync", choices=["sync", "async"])
     parser.add_argument("--prefetch-multiplier", default="16")
+    parser.add_argument(
+        "--broker-serve-ahead", type=float, default=None, help="the broker's --serve-ahead (0 turns it off)"
+    )
     args = parser.parse_args()
     pool = ["-P", args.pool, "-c", args.concurrency, "--prefetch-multiplier", args.prefetch_multiplier]
-    procs = Processes(args.broker_flush)
+    procs = Processes(args.broker_flush, args.broker_serve_ahead)
     try:
         for case in args.cases:
             if case == "noop":
