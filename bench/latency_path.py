@@ -76,8 +76,8 @@ def traced_broker(args: list[str]) -> None:
     )
     take_ahead = consuming.Consuming._take_ahead
 
-    def traced_take_ahead(self: consuming.Consuming, pull: object) -> tuple[list[dict], int | None]:
-        batches, end = take_ahead(self, pull)
+    def traced_take_ahead(self: consuming.Consuming, pull: object, count: int) -> tuple[list[dict], int | None]:
+        batches, end = take_ahead(self, pull, count)
         trace["ahead"].extend((0.0, 0.0, m["id"]) for b in batches for m in b["messages"])
         return batches, end
 
