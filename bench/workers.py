@@ -106,11 +106,7 @@ def metric_sum(port: int, name: str) -> float:
     """The sum of a counter's samples on a process's /metrics."""
     with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith((name + "{", name + " "))
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
 
 
 def fill(address: str, subject: str, total: int) -> None:

@@ -49,6 +49,8 @@ MAX_NACK_DELAY_MS = 10 * 365 * 86400 * 1000
 MAX_NACK_ATTEMPTS = 1_000_000
 MAX_REASON_LEN = 1000  # characters of a nack's reason kept
 LEFT_KEPT_S = MAX_PULL_WAIT_MS / 1000 + 1.0  # a consumer's leave outlives any pull it had waiting
+# An ack's journal entry waits this long for another request's fsync to cover it before asking for one.
+ACK_FLUSH_LINGER_S = 0.002
 NOTHING_TO_RESEND = 1 << 62  # as a pull's `pulled`: take new messages only (serving ahead)
 
 
@@ -271,7 +273,10 @@ class Consuming:
             end = self.core.commit(entries, delivery=True)
             if error is not None:
                 raise error
-            await self.core.store.durable(end)
+            # Answered once durable, as ever; but an ack is not waited for on the way of any message
+            # (clients send them in flight or in batches), so it rides the next send's or pull's fsync
+            # rather than putting one of its own in series before theirs.
+            await self.core.store.durable(end, linger_s=ACK_FLUSH_LINGER_S)
         elif error is not None:
             raise error
         return {}

@@ -584,11 +584,12 @@ class LogStore:
         """Everything before this message-log offset is on disk."""
         return self.flusher.durable_offset
 
-    async def durable(self, offset: int) -> None:
+    async def durable(self, offset: int, *, linger_s: float = 0.0) -> None:
         """Await what an acknowledgement needs for everything before `offset`: its fsync in sync
-        flush mode; nothing in async mode (the next periodic flush covers it)."""
+        flush mode; nothing in async mode (the next periodic flush covers it). `linger_s`: let
+        another writer's fsync cover it if one starts within that long (`Flusher.durable`)."""
         if self.config.flush is FlushMode.SYNC:
-            await self.flusher.durable(offset)
+            await self.flusher.durable(offset, linger_s=linger_s)
 
     async def flushed(self, offset: int) -> None:
         """Await the fsync of everything before `offset`, whatever the flush mode: for state saved
