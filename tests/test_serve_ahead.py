@@ -49,7 +49,7 @@ def test_a_message_stored_between_pulls_waits_for_the_prefetching_consumer(broke
     served = ahead.pull(wait_ms=0)
     assert [(d.id, d.attempt, d.pull_seq) for d in served] == [(i, 1, n) for n, i in enumerate(ids("m", 3))]
     ahead.ack(served)
-    with broker.connect() as conn:  # served once per absence, up to `ahead`: the rest is anyone's
+    with broker.connect() as conn:  # up to `ahead` in one absence: the rest is anyone's
         send(conn, "orders", ids("n", 8))
     assert [d.id for d in other.pull(wait_ms=0)] == ids("n", 8)[5:]
     assert [d.id for d in ahead.pull(wait_ms=0)] == ids("n", 8)[:5]

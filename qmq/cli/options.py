@@ -6,6 +6,7 @@ against --broker lives in `choose_meta`."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,12 +35,27 @@ def stacked(*options: Decorator) -> Decorator:
     return apply
 
 
+class FlagNamedOption(click.Option):
+    """An option whose automatic environment variable is named after its flag, as the docs name it
+    (`--serve-ahead` of `qmq broker`: QMQ_BROKER_SERVE_AHEAD), even when its parameter has another
+    name (`ahead_window_s`); the parameter's name (QMQ_BROKER_AHEAD_WINDOW_S) is still read after it."""
+
+    def resolve_envvar_value(self, ctx: click.Context) -> str | None:
+        if self.envvar is None and self.allow_from_autoenv and ctx.auto_envvar_prefix is not None:
+            flag = max(self.opts, key=len).lstrip("-").replace("-", "_").upper()
+            value = os.environ.get(f"{ctx.auto_envvar_prefix}_{flag}")
+            if value:
+                return value
+        return super().resolve_envvar_value(ctx)
+
+
 def tuning(
     flag: str, kind: click.ParamType, default: Any, help: str, dest: str | None = None, **extra: Any
 ) -> Decorator:
-    """A setting with a typed value whose default --help shows; `dest` names its parameter."""
+    """A setting with a typed value whose default --help shows; `dest` names its parameter. Its
+    environment variable is named after the flag (`FlagNamedOption`)."""
     names = (flag, dest) if dest else (flag,)
-    return click.option(*names, type=kind, default=default, show_default=True, help=help, **extra)
+    return click.option(*names, type=kind, default=default, show_default=True, help=help, cls=FlagNamedOption, **extra)
 
 
 def meta_option(help: str = META_HELP) -> Decorator:
