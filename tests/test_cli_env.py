@@ -62,3 +62,37 @@ def test_a_parameter_named_otherwise_still_reads_its_old_name(monkeypatch) -> No
     assert option.resolve_envvar_value(ctx) == "0.5"
     monkeypatch.setenv("QMQ_BROKER_SERVE_AHEAD", "0")
     assert option.resolve_envvar_value(ctx) == "0"  # the documented name comes first
+
+
+def every_option() -> list[tuple[str, click.Option, click.Context]]:
+    """(command path, option, its context) of every option of every `qmq` command that reads an
+    automatic environment variable."""
+    found = []
+
+    def walk(group: click.Group, ctx: click.Context, path: list[str]) -> None:
+        for name in group.list_commands(ctx):
+            command = group.get_command(ctx, name)
+            sub = click.Context(command, info_name=name, parent=ctx)
+            if isinstance(command, click.Group):
+                walk(command, sub, [*path, name])
+                continue
+            for p in command.params:
+                if isinstance(p, click.Option) and p.envvar is None and p.allow_from_autoenv:
+                    found.append((" ".join([*path, name]), p, sub))
+
+    walk(main, click.Context(main, info_name="qmq", auto_envvar_prefix="QMQ"), [])
+    return found
+
+
+def test_every_option_reads_the_variable_named_after_its_command_and_flag(monkeypatch) -> None:
+    # docs/worker.md: "Every option also reads QMQ_WORKER_<OPTION>"; docs/reconcile.md the same
+    options = every_option()
+    assert len(options) > 100
+    wrong = []
+    for path, option, ctx in options:
+        env = "QMQ_" + "_".join([*path.split(), max(option.opts, key=len).lstrip("-")]).upper().replace("-", "_")
+        monkeypatch.setenv(env, "7")
+        if option.resolve_envvar_value(ctx) != "7":
+            wrong.append(f"qmq {path} {max(option.opts, key=len)}: {env}")
+        monkeypatch.delenv(env)
+    assert not wrong, wrong

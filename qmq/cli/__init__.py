@@ -13,6 +13,7 @@ import importlib
 import click
 
 from qmq import __version__
+from qmq.cli import options
 
 # command name -> "module:attribute" of its click command
 COMMANDS = {
@@ -50,6 +51,7 @@ class LazyGroup(click.Group):
             command = getattr(importlib.import_module(module), attribute)
             if command.name != cmd_name:
                 raise RuntimeError(f"{self.lazy_commands[cmd_name]} is the command {command.name!r}, not {cmd_name!r}")
+            options.name_env_after_flags(command)
             self.add_command(command)
         return super().get_command(ctx, cmd_name)
 

@@ -38,7 +38,8 @@ def stacked(*options: Decorator) -> Decorator:
 class FlagNamedOption(click.Option):
     """An option whose automatic environment variable is named after its flag, as the docs name it
     (`--serve-ahead` of `qmq broker`: QMQ_BROKER_SERVE_AHEAD), even when its parameter has another
-    name (`ahead_window_s`); the parameter's name (QMQ_BROKER_AHEAD_WINDOW_S) is still read after it."""
+    name (`ahead_window_s`); the parameter's name (QMQ_BROKER_AHEAD_WINDOW_S) is still read after it.
+    Every option of the `qmq` commands is one (`name_env_after_flags`)."""
 
     def resolve_envvar_value(self, ctx: click.Context) -> str | None:
         if self.envvar is None and self.allow_from_autoenv and ctx.auto_envvar_prefix is not None:
@@ -49,13 +50,24 @@ class FlagNamedOption(click.Option):
         return super().resolve_envvar_value(ctx)
 
 
+def name_env_after_flags(command: click.Command) -> None:
+    """Make every plain option of `command` and of its subcommands a `FlagNamedOption`, so that
+    `QMQ_<COMMAND>_<FLAG>` sets it whatever its parameter is called (`--queues` of `qmq worker`
+    fills `subjects`: QMQ_WORKER_QUEUES). The class only changes how the variable is looked up."""
+    for param in command.params:
+        if type(param) is click.Option:
+            param.__class__ = FlagNamedOption
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            name_env_after_flags(sub)
+
+
 def tuning(
     flag: str, kind: click.ParamType, default: Any, help: str, dest: str | None = None, **extra: Any
 ) -> Decorator:
-    """A setting with a typed value whose default --help shows; `dest` names its parameter. Its
-    environment variable is named after the flag (`FlagNamedOption`)."""
+    """A setting with a typed value whose default --help shows; `dest` names its parameter."""
     names = (flag, dest) if dest else (flag,)
-    return click.option(*names, type=kind, default=default, show_default=True, help=help, cls=FlagNamedOption, **extra)
+    return click.option(*names, type=kind, default=default, show_default=True, help=help, **extra)
 
 
 def meta_option(help: str = META_HELP) -> Decorator:
