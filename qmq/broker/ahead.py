@@ -1,6 +1,7 @@
-"""Serving ahead: messages stored while a prefetching consumer is between two pulls are handed to it
-in advance, journalled right behind the send that stored them, so that its next pull finds them
-durable and answers at once instead of waiting for a journal fsync of its own.
+"""Serving ahead: messages stored while a consumer that asked for it (a prefetching client, the
+worker) is between two pulls are handed to it in advance, journalled right behind the send that
+stored them, so that its next pull finds them durable and answers at once instead of waiting for a
+journal fsync of its own.
 
 Without it, a message that comes while the consumer's next pull is still on its way pays two fsyncs
 in series before it reaches the consumer: its send's, then that pull's journal entry's

@@ -46,7 +46,7 @@ SUBJECT_MESSAGES = Gauge(
 )
 SERVED_AHEAD = Counter(
     "qmq_broker_served_ahead",
-    "Messages recorded for a prefetching consumer between its pulls, journalled with their send (ahead.py)",
+    "Messages recorded for a consumer (prefetching, a worker) between its pulls, journalled with their send",
     registry=REGISTRY,
 )
 READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only", registry=REGISTRY)

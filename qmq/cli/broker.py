@@ -81,8 +81,8 @@ MAX_LAG = tuning("--max-lag", DURATION, f"{MAX_LAG_S:g}s", MAX_LAG_HELP)
     "--serve-ahead",
     click.FloatRange(min=0),
     AHEAD_WINDOW_S,
-    "seconds after a prefetching consumer's pull during which new messages are served to it ahead of its "
-    "next pull, journalled with their send (0: never)",
+    "seconds after a pull that asked for it (prefetch, the worker) during which new messages are served to its "
+    "consumer ahead of its next pull, journalled with their send (0: never)",
     "ahead_window_s",
     metavar="SECONDS",
 )
