@@ -63,13 +63,25 @@ def port() -> int:
 
 
 @pytest.fixture
-def processes(tmp_path):
-    """Start real processes with `processes.start([...])`; all are killed at teardown, pass or fail."""
+def processes(request, tmp_path):
+    """Start real processes with `processes.start([...])`; all are killed at teardown, pass or fail.
+    When the test failed, the tail of each process's log is printed (shown as teardown output)."""
     manager = ProcessManager(tmp_path)
     try:
         yield manager
     finally:
         manager.stop_all()
+        report = getattr(request.node, "rep_call", None)
+        if report is not None and report.failed and manager.logs:
+            print(manager.log_tails())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item (`item.rep_call`) for fixtures' teardown to read."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
 
 
 @pytest.fixture

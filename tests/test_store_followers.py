@@ -51,17 +51,29 @@ def test_a_send_is_acknowledged_once_the_replica_fetched_past_it(tmp_path) -> No
     run(scenario())
 
 
-def test_a_fetch_waits_for_new_records_and_a_lagging_replica_falls_out_of_sync(tmp_path) -> None:
+def test_a_fetch_waits_for_new_records(tmp_path) -> None:
     async def scenario() -> None:
         with LogStore(tmp_path / "s", SMALL) as store:
-            followers = Followers(store, epoch=1, epochs=[(1, 0)], ack_replicas=1, max_lag_s=MAX_LAG_S)
-            caught_up = time.monotonic()  # this fetch finds the replica at the end of the (empty) log
+            followers = Followers(store, epoch=1, epochs=[(1, 0)], ack_replicas=1, max_lag_s=60)
             waiting = asyncio.ensure_future(followers.fetch(fetch_body(0, wait_ms=5000)))
             await asyncio.sleep(0.05)
             assert not waiting.done()  # a long poll: nothing to send yet
             store.append([Message("s", "m1", b"x")])
             reply = await asyncio.wait_for(waiting, 2)  # woken by the append, not by its timeout
             assert reply["data"]
+
+    run(scenario())
+
+
+def test_a_lagging_replica_falls_out_of_sync(tmp_path) -> None:
+    async def scenario() -> None:
+        with LogStore(tmp_path / "s", SMALL) as store:
+            followers = Followers(store, epoch=1, epochs=[(1, 0)], ack_replicas=1, max_lag_s=MAX_LAG_S)
+            caught_up = time.monotonic()  # this fetch finds the replica at the end of the (empty) log
+            await followers.fetch(fetch_body(0))
+            store.append([Message("s", "m1", b"x")])
+            reply = await followers.fetch(fetch_body(0))
+            assert reply["data"]  # shipped, never reported durable
             end = store.end_offset
             pending = asyncio.ensure_future(followers.acknowledged(end))
             await asyncio.sleep(0)
@@ -76,6 +88,27 @@ def test_a_fetch_waits_for_new_records_and_a_lagging_replica_falls_out_of_sync(t
                 await followers.acknowledged(end)
             await followers.fetch(fetch_body(end))  # back and caught up: in sync again
             assert followers.writable
+
+    run(scenario())
+
+
+def test_an_idle_replica_stays_in_sync_through_its_long_polls(tmp_path) -> None:
+    """A caught-up replica parked in a long poll must not age out of sync: the wait is cut to half
+    of max_lag_s (a replica asking 5 s against `--max-lag 300ms`), and the empty reply counts as
+    caught up at its own time, not at the fetch's start."""
+
+    async def scenario() -> None:
+        with LogStore(tmp_path / "s", SMALL) as store:
+            store.append([Message("s", "m1", b"x")])
+            followers = Followers(store, epoch=1, epochs=[(1, 0)], ack_replicas=1, max_lag_s=MAX_LAG_S)
+            asked = time.monotonic()
+            reply = await asyncio.wait_for(followers.fetch(fetch_body(store.end_offset, wait_ms=5000)), 2)
+            answered = time.monotonic()
+            assert reply["data"] == b"" and answered - asked >= MAX_LAG_S / 2 * 0.9
+            assert followers.in_sync() == ["r:1"]
+            # Past max_lag_s after the fetch began, but not after its reply: still in sync.
+            assert followers.in_sync(now=asked + MAX_LAG_S + 0.1) == ["r:1"]
+            assert followers.in_sync(now=answered + MAX_LAG_S + 0.1) == []
 
     run(scenario())
 

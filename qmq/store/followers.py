@@ -16,6 +16,9 @@ until enough replicas have what it covers.
   counting only the replicas `counted()` names (the meta server promotes only replicas it heard
   were in sync, so an acknowledgement from another could be lost in a failover); it raises
   `NotEnoughReplicas` when fewer than that are in sync, or when this master is fenced.
+- A fetch waits for new records at most half of `max_lag_s`, and an empty reply to a replica that
+  holds the whole log counts as caught up at the reply's time: an idle replica never ages out of
+  sync between two fetches, even with a `--max-lag` shorter than its fetch wait.
 - A fetch naming a newer epoch than this master's tells it it was deposed (`on_newer_epoch`).
 
 Runs on the event loop; no sockets (the server's handler table calls `fetch` and `epoch_end`).
@@ -79,6 +82,10 @@ class ReplicaState:
 
     def replied(self, end: int, now: float) -> None:
         """A reply told it the log ends at `end`."""
+        if self.offset >= end:  # it holds everything there is: caught up as of this reply
+            self.caught_up_at = now
+            self.replies.clear()
+            return
         replies = self.replies
         if replies and replies[-1][0] >= end:
             return  # an earlier reply told it as much: its time is what counts
@@ -234,7 +241,7 @@ class Followers:
         offset = field(body, "offset", int)
         durable = field(body, "durable", int, offset)
         max_bytes = min(field(body, "max_bytes", int), MAX_FETCH_BYTES)
-        wait_ms = min(field(body, "wait_ms", int, 0), MAX_FETCH_WAIT_MS)
+        wait_ms = min(field(body, "wait_ms", int, 0), MAX_FETCH_WAIT_MS, int(self.max_lag_s * 1000 / 2))
         if offset < 0 or max_bytes < 0 or wait_ms < 0:
             raise bad("offset, max_bytes and wait_ms must not be negative")
         if not 0 <= durable <= offset:

@@ -19,6 +19,7 @@ from qmq.net.probe import accepts
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 5.0
 READY_TIMEOUT_S = 30.0
+LOG_TAIL_LINES = 40  # of each child process, printed when a test fails
 
 
 def free_port() -> int:
@@ -52,6 +53,7 @@ class ProcessManager:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []  # every child's log, in start order (kept after stop_all)
 
     def start(
         self, args: Sequence[str], *, name: str, env: dict | None = None, python: bool = True, stdout=None
@@ -67,6 +69,8 @@ class ProcessManager:
         )
         proc.log_path = Path(log.name)  # type: ignore[attr-defined]
         log.close()
+        if proc.log_path not in self.logs:
+            self.logs.append(proc.log_path)
         self.procs.append(proc)
         return proc
 
@@ -75,6 +79,15 @@ class ProcessManager:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         return proc.wait(timeout=30)
+
+    def log_tails(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last `lines` of each child's log: what a failed test prints, so a CI flake can be read."""
+        parts = []
+        for path in self.logs:
+            with contextlib.suppress(OSError):
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"----- {path.name} (last {len(tail)} lines) -----\n" + "\n".join(tail))
+        return "\n".join(parts)
 
     def stop_all(self) -> None:
         for proc in self.procs:
