@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import click
@@ -52,6 +53,16 @@ ADVERTISE_EXTERNAL = click.option(
 )
 ACK_REPLICAS = click.option("--ack-replicas", type=click.IntRange(0), default=None, help=ACK_REPLICAS_HELP)
 MAX_LAG = tuning("--max-lag", DURATION, f"{MAX_LAG_S:g}s", MAX_LAG_HELP)
+
+
+def max_lag_seconds(max_lag: timedelta) -> float:
+    """--max-lag in seconds; 0 or less would keep every replica out of sync, so the group read-only."""
+    seconds = max_lag.total_seconds()
+    if seconds <= 0:
+        raise click.BadParameter(
+            "must be longer than 0 (no replica would ever be in sync), e.g. 5s or 500ms", param_hint="'--max-lag'"
+        )
+    return seconds
 
 
 @click.command("broker")
@@ -110,7 +121,7 @@ def broker(data_dir: str, log_level: str, **settings: Any) -> None:
     """Run a broker: stores messages and serves them to consumer groups."""
     setup_logging(log_level, server=True)
     settings["token"] = settings["token"] or None
-    settings["max_lag_s"] = settings.pop("max_lag").total_seconds()
+    settings["max_lag_s"] = max_lag_seconds(settings.pop("max_lag"))
     settings["store_config"] = store_config_for(
         settings.pop("segment_mib") * MIB, settings.pop("log_retention") * HOUR_S
     )

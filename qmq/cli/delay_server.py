@@ -19,6 +19,7 @@ from qmq.cli.broker import (
     MAX_LAG,
     MAX_SEGMENT_MIB,
     MIB,
+    max_lag_seconds,
 )
 from qmq.cli.net_options import server_net_options
 from qmq.cli.options import (
@@ -102,7 +103,7 @@ def delay_server(
     if settings["group"] and not settings["meta"]:
         raise click.UsageError("--group needs --meta: the meta server decides which member is master")
     settings["token"] = settings["token"] or None
-    settings["max_lag_s"] = settings.pop("max_lag").total_seconds()
+    settings["max_lag_s"] = max_lag_seconds(settings.pop("max_lag"))
     try:
         run(
             data_dir,

@@ -441,7 +441,8 @@ class Roles:
         self.role, self.epoch, self.master = Role.MASTER, epoch, self.address
         self._update_read_only()
         self._changed()
-        log.warning(
+        log.log(
+            logging.WARNING if self.replicated else logging.INFO,  # a lone server's start is no event
             "%s group %s: %s is MASTER, epoch %d (log %d..%d)",
             self.duty.kind,
             self.group,

@@ -241,7 +241,7 @@ class Followers:
         offset = field(body, "offset", int)
         durable = field(body, "durable", int, offset)
         max_bytes = min(field(body, "max_bytes", int), MAX_FETCH_BYTES)
-        wait_ms = min(field(body, "wait_ms", int, 0), MAX_FETCH_WAIT_MS, int(self.max_lag_s * 1000 / 2))
+        wait_ms = min(field(body, "wait_ms", int, 0), MAX_FETCH_WAIT_MS, max(1, int(self.max_lag_s * 1000 / 2)))
         if offset < 0 or max_bytes < 0 or wait_ms < 0:
             raise bad("offset, max_bytes and wait_ms must not be negative")
         if not 0 <= durable <= offset:
