@@ -178,3 +178,20 @@ def test_only_replicas_the_meta_server_heard_were_in_sync_acknowledge(tmp_path) 
             await asyncio.wait_for(acked2, 1)
 
     run(scenario())
+
+
+def test_no_acknowledgement_waits_on_a_master_that_was_closed(tmp_path) -> None:
+    """`close` fails the waiting acknowledgements; one asked for after it must fail too, not wait for
+    a settle that will never come (the replica is still in sync by the clock)."""
+
+    async def scenario() -> None:
+        with LogStore(tmp_path / "s", SMALL) as store:
+            followers = Followers(store, epoch=1, epochs=[(1, 0)], ack_replicas=1, max_lag_s=60)
+            await followers.fetch(fetch_body(0))
+            end = store.append([Message("s", "m1", b"x")])[-1].end
+            followers.close(RemoteError(ErrorCode.NOT_MASTER, "a new epoch began"))
+            with pytest.raises(RemoteError) as closed:
+                await asyncio.wait_for(followers.acknowledged(end), 2)
+            assert closed.value.code == ErrorCode.NOT_MASTER
+
+    run(scenario())

@@ -116,6 +116,10 @@ def test_a_failed_fsync_of_sync_now_turns_the_replica_read_only(tmp_path, monkey
         monkeypatch.undo()
         with pytest.raises(StoreError, match="read-only"):  # nor taken any more: the page cache may have lost it
             replica.append_replicated(master.read_chunk(replica.end_offset, 2000), replica.end_offset)
+        replica.flusher.request(replica.end_offset)  # a later fsync would succeed: none may run
+    # Closing ran the flusher's last round: it must not have fsynced and recorded the chunk whose fsync
+    # failed as durable (reopened, a damaged tail below the recovery point is refused, not cut).
+    assert RecoveryPoint(tmp_path / "r").load() == durable
 
 
 def test_truncate_keeps_the_cut_bytes_and_the_store_rebuilds_its_derived_files(tmp_path) -> None:

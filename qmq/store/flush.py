@@ -142,7 +142,12 @@ class Flusher:
         waiters = self._loops.get(loop)
         if waiters is None:
             with self._cond:
-                waiters = self._loops[loop] = _LoopWaiters(loop)
+                waiters = self._loops.setdefault(loop, _LoopWaiters(loop))
+            # A round that ended before this loop was registered woke nobody here: look again. One
+            # that ends from now on wakes this loop, and its settle runs after the `add` below.
+            self.check()
+            if offset <= self.durable_offset:
+                return
         future = loop.create_future()
         waiters.add(offset, future)
         if linger_s <= 0:
@@ -178,9 +183,12 @@ class Flusher:
             if stopping or error is not None:
                 return
 
-    def _sync(self) -> tuple[int, OSError | None]:
-        """One fsync round: the end it covers, or the error it met."""
+    def _sync(self) -> tuple[int, BaseException | None]:
+        """One fsync round: the end it covers, or the error it met (or an earlier round met: after a
+        failed fsync no round runs, so nothing past it is ever said durable, nor recorded so)."""
         with self._sync_lock:
+            if self.error is not None:  # a later fsync's success says nothing of what the failed one lost
+                return 0, self.error
             started = time.monotonic()
             try:
                 end = self.message_log.sync()
@@ -195,7 +203,12 @@ class Flusher:
         return end, None
 
     def _finish(
-        self, end: int, error: OSError | None, loop: asyncio.AbstractEventLoop | None = None, *, thread: bool = False
+        self,
+        end: int,
+        error: BaseException | None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        thread: bool = False,
     ) -> None:
         """After a round (the flusher `thread`'s, or a caller's): move the durable end (or keep the
         error) and wake every waiter; those of `loop` (the caller's own) are settled here, the
@@ -205,7 +218,7 @@ class Flusher:
                 self.syncs_by_thread += 1
             else:
                 self.syncs_here += 1
-            if error is None:  # a failed append taken back meanwhile (store.py) lowered the end
+            if error is None and self.error is None:  # a failed append taken back meanwhile (store.py) lowered the end
                 self.durable_offset = max(self.durable_offset, min(end, self.message_log.end_offset))
             elif self.error is None:
                 self.error = error

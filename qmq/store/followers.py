@@ -161,6 +161,8 @@ class Followers:
         needed = self.ack_replicas
         if needed == 0:
             return
+        if self._closed:  # `close` failed the waiters it found; none may wait after it
+            raise RemoteError(ErrorCode.NOT_MASTER, "this server is no longer master")
         if not self.writable:
             raise NotEnoughReplicas(self._why_not())
         if self._acked_offset(needed) >= end:
