@@ -11,13 +11,16 @@ import time
 
 import pytest
 
+from qmq.client import Client
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 from tests.support.broker import Broker, RawConsumer, restart_broker, send, start_broker
+from tests.support.replication import wait_for
 
 CONSUMER_TIMEOUT_S = 600  # the sweep never gives anything back during these tests
 WINDOW_S = 60.0  # --serve-ahead: each test's steps come well within it, however slow the machine
 SHORT_WINDOW_S = 0.3
+RETRY_SUBJECT = "%RETRY%orders%billing"
 
 
 @pytest.fixture
@@ -80,6 +83,48 @@ def test_a_consumer_that_leaves_gives_back_what_it_was_served_ahead(broker):
         assert [(d.id, d.attempt) for d in other.drain(2, wait_ms=2000)] == [("l-000", 1), ("l-001", 1)]
         send(conn, "orders", ["after"])  # gone: served nothing more
     assert [d.id for d in other.pull(wait_ms=0)] == ["after"]
+
+
+def held(broker: Broker, stored: str, consumer: str) -> int:
+    """Messages `consumer` of group billing holds on `stored` (BROKER_CONSUMERS)."""
+    with broker.connect() as conn:
+        listing = conn.request(RequestCode.BROKER_CONSUMERS, {})["consumers"]
+    return sum(
+        c["in_flight"] for c in listing if (c["subject"], c["group"], c["consumer"]) == (stored, "billing", consumer)
+    )
+
+
+def test_a_leave_gives_back_what_was_served_ahead_on_a_subject_it_did_not_name(broker):
+    """A client's leave names the stored subjects it received from; a retry served ahead to it on its
+    group's retry subject, which it never received from, goes back too, keeping its attempt."""
+    other = consumer(broker, "other")
+    assert other.pull(wait_ms=0) == []
+    with broker.connect() as conn:
+        send(conn, "orders", ["x"])
+    [taken] = other.pull(wait_ms=0)
+    ahead = consumer(broker, "ahead", ahead=5)
+    assert ahead.pull(wait_ms=0) == []  # "ahead" is away, with room
+    other.nack(taken, 0)  # its retry is due at once: served ahead to "ahead"
+    wait_for(lambda: held(broker, RETRY_SUBJECT, "ahead") == 1, "the retry to be served ahead")
+    with broker.connect() as conn:
+        assert conn.request(RequestCode.BROKER_LEAVE, {"leaves": [["orders", "billing", "ahead", -1]]}) == {
+            "released": 1
+        }
+    assert [(d.id, d.attempt) for d in other.drain(1, wait_ms=2000)] == [("x", 2)]
+
+
+def test_a_subscription_closed_before_it_received_anything_gives_back_what_it_was_served_ahead(broker):
+    """Its pull came back empty, so the broker serves it ahead; it holds no tracker, yet its close
+    must tell the broker, or what is stored next waits for it until the consumer timeout."""
+    other = consumer(broker, "other")
+    assert other.pull(wait_ms=0) == []
+    with Client(brokers=[broker.address]) as client:
+        subscription = client.subscribe("orders", "billing", consumer="idle", serve_ahead=True)
+        assert subscription.pull(max=10, wait_s=0.2) == []
+        subscription.close()
+    with broker.connect() as conn:
+        send(conn, "orders", ids("m", 3))
+    assert [(d.id, d.attempt) for d in other.drain(3, wait_ms=2000)] == [(i, 1) for i in ids("m", 3)]
 
 
 def test_only_a_pull_that_asks_is_served_ahead(broker):

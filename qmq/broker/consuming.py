@@ -108,6 +108,26 @@ class PullRequest:
         return cls(subject, key, consumer, max_count, wait_ms, tags, match_all, broadcast, start, pulled, queues, ahead)
 
 
+def unnamed_siblings(leaves: list[Any]) -> list[list[Any]]:
+    """A client's BROKER_LEAVE names the stored subjects it received from. Of the others of the same
+    subject and group (the subject itself, the group's retry subject) it received nothing, yet the
+    consumer may hold messages there, served ahead (ahead.py) while it closed: they go back too,
+    all unseen (`seen` -1), so they keep their attempt and need not wait for the consumer timeout."""
+    named = {(stored, key, consumer) for stored, key, consumer, _ in leaves}
+    siblings: list[list[Any]] = []
+    for stored, key, consumer, _ in leaves:
+        if stored.startswith("%") and not (stored.startswith("%RETRY%") and stored.count("%") >= 3):
+            continue  # not a subject of a plain group: nothing is served ahead there
+        subject = user_subject(stored)
+        if split_queue_subject(subject) is not None:  # ordered queues move with their leases
+            continue
+        for sibling in (subject, retry_subject(subject, key)):
+            if (sibling, key, consumer) not in named:
+                named.add((sibling, key, consumer))
+                siblings.append([sibling, key, consumer, -1])
+    return siblings
+
+
 class Consuming:
     def __init__(self, core: BrokerCore, ahead_window_s: float = AHEAD_WINDOW_S) -> None:
         self.core = core
@@ -375,7 +395,7 @@ class Consuming:
         self.left_at.update((item[2], now) for item in leaves)
         self.ahead.left(item[2] for item in leaves)
         released, end = 0, 0
-        for stored, key, consumer, seen in leaves:
+        for stored, key, consumer, seen in [*leaves, *unnamed_siblings(leaves)]:
             group = core.state.group(stored, key)
             if group is None or split_queue_subject(user_subject(stored)) is not None:
                 continue

@@ -236,6 +236,7 @@ class SubscriptionState:
         self._drops: dict[str, int] = defaultdict(int)  # trackers dropped so far, by broker address
         # An ordered subscription's queues whose leases it holds: its pulls take only those.
         self.queues: list[int] | None = [] if options.ordered else None
+        self._served_ahead_by: set[str] = set()  # brokers asked to serve ahead: each is told of the leave
 
     def generation(self, address: str) -> int:
         """Changes whenever a tracker of `address` is dropped. A pull reply is only accepted with
@@ -248,6 +249,9 @@ class SubscriptionState:
         o = self.options
         pulled = {key[1]: t.pulled for key, t in self._trackers.items() if key[0] == address and t.pulled is not None}
         count = max(1, min(max_count, MAX_PULL_MESSAGES))
+        asks_ahead = self._asks_ahead(wait_s)
+        if asks_ahead:
+            self._served_ahead_by.add(address)
         return {
             "subject": o.subject,
             "group": o.group,
@@ -262,7 +266,7 @@ class SubscriptionState:
             **({"queues": list(self.queues)} if self.queues is not None else {}),
             # a pull that waits (not the subscription's registration): what is stored before the
             # next pull arrives is served ahead (qmq/broker/ahead.py)
-            **({"ahead": count} if self._asks_ahead(wait_s) else {}),
+            **({"ahead": count} if asks_ahead else {}),
         }
 
     def _asks_ahead(self, wait_s: float) -> bool:
@@ -386,7 +390,9 @@ class SubscriptionState:
         """BROKER_LEAVE bodies by broker address, one entry per tracker: `[stored_subject, group_key,
         consumer, seen]`, where `seen` is the last pull sequence handed to the application. `not_handed`
         names (tracker key, pull sequence) of what was received and not handed out: the broker gives
-        those back without counting an attempt, like anything it handed out that never arrived."""
+        those back without counting an attempt, like anything it handed out that never arrived. A
+        broker asked to serve ahead that sent nothing is told too (`seen` -1): it may have reserved
+        messages for this consumer since its last pull."""
         first_not_handed: dict[TrackerKey, int] = {}
         for key, pull_seq in not_handed:
             first_not_handed[key] = min(pull_seq, first_not_handed.get(key, pull_seq))
@@ -397,6 +403,9 @@ class SubscriptionState:
                 continue
             seen = min(last, first_not_handed.get(key, last + 1) - 1)
             leaves[key[0]].append([key[1], key[2], key[3], seen])
+        o = self.options
+        for address in self._served_ahead_by - leaves.keys():  # received nothing there, but may hold
+            leaves[address].append([o.subject, o.group, o.consumer, -1])  # what it was served ahead
         return {address: {"leaves": items} for address, items in leaves.items()}
 
     def heartbeat_requests(self) -> dict[str, dict[str, Any]]:
