@@ -16,9 +16,8 @@ until enough replicas have what it covers.
   counting only the replicas `counted()` names (the meta server promotes only replicas it heard
   were in sync, so an acknowledgement from another could be lost in a failover); it raises
   `NotEnoughReplicas` when fewer than that are in sync, or when this master is fenced.
-- A fetch waits for new records at most half of `max_lag_s`, and an empty reply to a replica that
-  holds the whole log counts as caught up at the reply's time: an idle replica never ages out of
-  sync between two fetches, even with a `--max-lag` shorter than its fetch wait.
+- A fetch waits for new records at most half of `max_lag_s`: an idle replica fetches again well
+  before it would age out of sync, even with a `--max-lag` shorter than the wait it asks for.
 - A fetch naming a newer epoch than this master's tells it it was deposed (`on_newer_epoch`).
 
 Runs on the event loop; no sockets (the server's handler table calls `fetch` and `epoch_end`).
@@ -81,11 +80,9 @@ class ReplicaState:
             self.caught_up_at = max(self.caught_up_at, replies.popleft()[1])
 
     def replied(self, end: int, now: float) -> None:
-        """A reply told it the log ends at `end`."""
-        if self.offset >= end:  # it holds everything there is: caught up as of this reply
-            self.caught_up_at = now
-            self.replies.clear()
-            return
+        """A reply told it the log ends at `end`. (One that holds it all already stays caught up as of
+        its fetch, not of this reply: a replica killed during its long poll must still fall out of
+        sync within max_lag_s of its last fetch.)"""
         replies = self.replies
         if replies and replies[-1][0] >= end:
             return  # an earlier reply told it as much: its time is what counts
