@@ -1,13 +1,22 @@
-"""A loop's first wait for durability while another thread's fsync round ends (qmq/store/flush.py
-`Flusher.durable`): the round finishes after the wait saw its offset not durable and before the loop
-was registered to be woken, so it wakes nobody there; the wait must still return, not hang until
-some unrelated write comes. The interleaving is forced: the loop's registration runs that round."""
+"""Races of the flusher (qmq/store/flush.py), each interleaving forced:
+
+- a loop's first wait for durability while another thread's fsync round ends: the round finishes
+  after the wait saw its offset not durable and before the loop was registered to be woken, so it
+  wakes nobody there; the wait must still return, not hang until some unrelated write comes;
+- an fsync that fails on the flusher thread while a caller's `sync_now` comes before that round has
+  recorded its end: no second fsync may run and say the bytes durable (fsyncgate: after a failure,
+  a later fsync's success says nothing of the pages the kernel dropped)."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 
+import pytest
+
+from qmq.store.flush import FlushFailed
+from qmq.store.segment import Segment
 from qmq.store.store import LogStore, Message
 from tests.support.stores import SMALL
 
@@ -42,3 +51,32 @@ def test_a_first_wait_covered_by_a_round_that_ended_meanwhile_returns(tmp_path) 
 
         asyncio.run(scenario())
         assert flusher._loops.rounds == 1 and store.durable_offset >= appended.end
+
+
+def test_no_fsync_runs_after_one_failed_even_before_its_round_finished(tmp_path, monkeypatch) -> None:
+    with LogStore(tmp_path / "store", SMALL) as store:
+        flusher = store.flusher
+        [appended] = store.append([Message("orders", "m1", b"x")])
+        real_sync = Segment.sync
+        in_failing_fsync, fail_now = threading.Event(), threading.Event()
+        calls = []
+
+        def sync_failing_once(segment) -> None:
+            calls.append(threading.current_thread().name)
+            if len(calls) == 1:  # the flusher thread's round
+                in_failing_fsync.set()
+                fail_now.wait(WAIT_LIMIT_S)
+                raise OSError(errno.EIO, "injected: EIO on fdatasync")
+            real_sync(segment)
+
+        monkeypatch.setattr(Segment, "sync", sync_failing_once)
+        flusher.request(appended.end)
+        assert in_failing_fsync.wait(WAIT_LIMIT_S)
+        with flusher._cond:  # the failed round cannot reach `_finish` while this thread holds it
+            fail_now.set()
+            assert flusher._sync_lock.acquire(timeout=WAIT_LIMIT_S)  # the failed round let go of it
+            flusher._sync_lock.release()
+            with pytest.raises(FlushFailed):
+                flusher.sync_now()
+            assert len(calls) == 1 and flusher.durable_offset < appended.end
+        monkeypatch.undo()

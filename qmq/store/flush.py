@@ -196,6 +196,7 @@ class Flusher:
                     self.on_synced(end)
             except OSError as exc:
                 log.critical("fsync of the message log failed, the store stops accepting writes: %s", exc)
+                self.error = self.error or exc  # before the lock goes: no other round may fsync after it
                 return 0, exc
             finally:
                 self.last_sync_s = time.monotonic() - started
