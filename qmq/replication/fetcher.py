@@ -110,6 +110,7 @@ class Fetcher:
         self._sync_error: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
         self._sync_task: asyncio.Task[None] | None = None
+        self._threads: set[asyncio.Future[Any]] = set()  # work on threads, which a cancel does not stop
         self._conn: AsyncConnection | None = None
 
     def start(self) -> None:
@@ -117,11 +118,16 @@ class Fetcher:
         self._sync_task = asyncio.create_task(self._sync_loop(), name="qmq-replica-sync")
 
     async def stop(self) -> None:
+        """Stop fetching; returns once nothing more is written: a chunk being written on a thread is
+        waited for (a promoted replica's log and epochs must not change under the new master)."""
         for task in (self._task, self._sync_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        for work in list(self._threads):
+            with contextlib.suppress(Exception):
+                await work
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
@@ -223,6 +229,13 @@ class Fetcher:
             await self._conn.close()
             self._conn = None
 
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on a thread, which `stop` waits for: cancelling this await would not stop it."""
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._threads.add(work)
+        work.add_done_callback(self._threads.discard)
+        return await asyncio.shield(work)
+
     def _body(self, offset: int) -> dict[str, Any]:
         return {"group": self.group, "replica": self.address, "epoch": self.epoch, "offset": offset}
 
@@ -264,11 +277,11 @@ class Fetcher:
                 self.store.append_replicated(data, offset)
                 self._written.set()
             else:
-                await asyncio.to_thread(self.store.append_replicated, data, offset)
+                await self._in_thread(self.store.append_replicated, data, offset)
                 self._written.set()
             self.damaged_at = None
         masters = [(int(e), int(s)) for e, s in reply.get("epochs") or ()]
         merged = ep.merged(self.epochs, masters, self.store.end_offset)
         if merged != self.epochs:
             self.epochs = merged
-            await asyncio.to_thread(self.save_epochs, merged)
+            await self._in_thread(self.save_epochs, merged)
