@@ -101,7 +101,10 @@ class Fetcher:
         self.damaged_at: int | None = None  # a record of the master's that failed its CRC here: told in the next fetch
         self.fetches = 0
         self.unreachable = False  # the last fetch could not reach the master (told to the meta server)
-        self.durable = store.durable_offset  # durable here, and `on_durable` ran up to it
+        # Durable here, and `on_durable` ran up to it. A fetcher before this one may have stopped
+        # between an fsync and its `on_durable`: with one, nothing is taken as done, and the sync loop
+        # runs it up to the log end before the first fetch reports anything.
+        self.durable = store.durable_offset if on_durable is None else 0
         self.reported = -1  # the highest `durable` sent to the master on this connection
         self.pipelined = False  # this connection's master reads `durable` (it said so in a reply)
         self._polling = False  # a fetch is out, waiting for its reply
