@@ -69,8 +69,7 @@ class ProcessManager:
         )
         proc.log_path = Path(log.name)  # type: ignore[attr-defined]
         log.close()
-        if proc.log_path not in self.logs:
-            self.logs.append(proc.log_path)
+        self.logs.append(proc.log_path)  # each start has a log of its own (named with its index)
         self.procs.append(proc)
         return proc
 
