@@ -5,12 +5,15 @@ processes: a meta server on PostgreSQL and a group of two brokers."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
+from qmq.store import epochs as ep
 from tests.support.broker import send
-from tests.support.replication import replication, start_group
+from tests.support.replication import replication, start_group, start_member, wait_for, wait_role
 
 SUBJECT = "epoch.orders"
 
@@ -40,3 +43,24 @@ def test_a_master_refuses_requests_naming_a_newer_epoch_and_stores_nothing_from_
 
 def message(message_id: str) -> list[dict]:
     return [{"id": message_id, "subject": SUBJECT, "payload": b"x", "tags": [], "key": None}]
+
+
+def test_epoch_lines_past_the_recovered_log_end_are_cut_before_a_new_epoch_is_filed(processes, tmp_path, meta) -> None:
+    """A replica saves the master's epoch lines once it has written their records, maybe before its
+    fsync: a machine crash can leave a line that begins past the log the replica recovers. Promoted
+    later, it must file its own epoch where its log ends, not keep that line (a deposed master asking
+    where epoch 1 ends would be told too far, and keep records the new master has not)."""
+    a, b = start_group(processes, tmp_path, meta)
+    with a.connect() as conn:
+        assert send(conn, SUBJECT, [f"m{i}" for i in range(20)])["stored"] == 20
+    wait_for(lambda: (replication(b) or {}).get("durable") == replication(a)["log_end"], "b to hold a's log")
+    end = replication(b)["log_end"]
+    processes.kill(b.proc, signal.SIGKILL)
+    epochs_file = tmp_path / "b" / ep.FILE_NAME
+    assert ep.parse(epochs_file.read_text()) == [(1, 0)]
+    epochs_file.write_text(f"1 0\n2 {end + 4096}\n")  # as a crash leaves it: epoch 2's records lost
+    processes.kill(a.proc, signal.SIGKILL)
+    b = start_member(processes, tmp_path / "b", meta, "g1", port=b.port, name="b-again")
+    stats = wait_role(b, "master", epoch=2)
+    assert stats["log_end"] == end
+    assert ep.parse(epochs_file.read_text()) == [(1, 0), (stats["epoch"], end)]

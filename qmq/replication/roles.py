@@ -172,7 +172,7 @@ class Roles:
         self.role = Role.PENDING
         self.epoch = 0
         self.master: str | None = None
-        self.epochs = ep.load(self.data_dir)
+        self.epochs = self._epochs_within_log()
         store.damage.mendable = replicated  # a damaged record may be copied from another member
         self.service: MasterService | None = None
         self.followers: Followers | None = None
@@ -580,6 +580,23 @@ class Roles:
         if self._replica_open:
             self._replica_open = False
             await self.duty.close_replica()
+
+    def _epochs_within_log(self) -> ep.Epochs:
+        """The epochs file, cut back to the recovered log end (Kafka cuts its epoch cache there too).
+        A line is saved once its records are written, maybe before they are durable: after a machine
+        crash it can begin past the log end, and an epoch taken later would then be filed before it."""
+        saved = ep.load(self.data_dir)
+        epochs = ep.truncated(saved, self.store.end_offset)
+        if epochs != saved:
+            log.warning(
+                "%s group %s: epochs %s began past the recovered log end %d: removed from the epochs file",
+                self.duty.kind,
+                self.group,
+                ", ".join(str(e) for e, _ in saved[len(epochs) :]),
+                self.store.end_offset,
+            )
+            ep.save(self.data_dir, epochs)
+        return epochs
 
     def _save_epochs(self, epochs: ep.Epochs) -> None:
         self.epochs = epochs
