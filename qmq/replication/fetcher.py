@@ -224,6 +224,12 @@ class Fetcher:
             except ChunkError as exc:
                 log.error("master %s sent a chunk that fails its checks, fetching it again: %s", self.master, exc)
                 self.damaged_at = exc.offset  # the master mends its copy, or cuts it out (mending.py)
+            except Exception as exc:  # a reply it cannot read, a bug: replication must not end until a restart
+                if failures == 0:
+                    log.exception("fetching from master %s failed; trying again on a new connection", self.master)
+                else:
+                    log.debug("fetching from master %s failed again: %r", self.master, exc)
+                await self._drop_connection()
             failures += 1
             await asyncio.sleep(RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1])
 
@@ -286,5 +292,8 @@ class Fetcher:
         masters = [(int(e), int(s)) for e, s in reply.get("epochs") or ()]
         merged = ep.merged(self.epochs, masters, self.store.end_offset)
         if merged != self.epochs:
+            try:
+                await self._in_thread(self.save_epochs, merged)
+            except OSError as exc:  # a local disk's trouble, not the master's being out of reach
+                raise StoreError(f"cannot save the epochs file: {exc}") from exc
             self.epochs = merged
-            await self._in_thread(self.save_epochs, merged)
