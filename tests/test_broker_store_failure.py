@@ -4,6 +4,7 @@ answered with UNAVAILABLE naming the cause, for every kind of request, never wit
 from __future__ import annotations
 
 import asyncio
+import errno
 
 import pytest
 
@@ -44,5 +45,44 @@ def test_requests_on_a_store_that_cannot_write_are_unavailable(tmp_path) -> None
             assert err.value.code == ErrorCode.UNAVAILABLE, (code, err.value)
             assert "closed" in err.value.message
         await service.stop_background()
+
+    asyncio.run(run())
+
+
+def test_a_pull_whose_read_fails_part_way_leaves_its_journal_entry_for_the_next_handout(tmp_path) -> None:
+    """A take journals what it applied even when a read fails after it (here a new group's creation,
+    then an I/O error reading the subject): the next pull that hands messages out must not reply
+    before that entry is durable, so its end is kept and its flush asked for."""
+
+    async def run() -> None:
+        store = LogStore(tmp_path / "b", SMALL)
+        service = BrokerService(store)
+        service.start()
+
+        async def call(code: int, body: dict) -> dict:
+            return await service.handle(Request(1, code, body), PEER)
+
+        message = {"id": "m1", "subject": "orders", "payload": b"x"}
+        assert (await call(RequestCode.BROKER_SEND, {"messages": [message]}))["stored"] == 1
+        read = store.read
+
+        def failing_read(subject, *args, **kwargs):
+            if subject == "orders":
+                raise OSError(errno.EIO, "Input/output error")
+            return read(subject, *args, **kwargs)
+
+        store.read = failing_read
+        pull = {"subject": "orders", "group": "g", "consumer": "c", "start": "earliest", "wait_ms": 0}
+        end_before = store.end_offset
+        with pytest.raises((RemoteError, OSError)):
+            await call(RequestCode.BROKER_PULL, pull)
+        assert store.end_offset > end_before  # the group's creation was journalled
+        assert service.consuming.ahead.reserved_end == store.end_offset
+        assert max(store.flusher.requested_offset, store.durable_offset) >= store.end_offset
+        store.read = read
+        [batch] = (await call(RequestCode.BROKER_PULL, pull))["batches"]
+        assert [m["id"] for m in batch["messages"]] == ["m1"]
+        await service.stop_background()
+        store.close()
 
     asyncio.run(run())

@@ -50,8 +50,8 @@ class ServeAhead:
         # (subject, group key, consumer) -> its last pull, the loop time it stops counting as away, and
         # how many messages may be served to it ahead
         self.away: dict[tuple[str, str, str], tuple[PullRequest, float, int]] = {}
-        # the log end after the last reservation's journal entry: a pull that hands out what was
-        # reserved waits for it to be durable
+        # the log end after the last reservation's journal entry (or a take's that failed part-way):
+        # a pull that hands out what was reserved waits for it to be durable
         self.reserved_end = 0
         core.stored_listeners.append(self.stored)
 
@@ -79,6 +79,12 @@ class ServeAhead:
         for key in [k for k in self.away if k[2] in gone]:
             del self.away[key]
 
+    def journalled(self, end: int) -> None:
+        """Messages a later pull may hand out were recorded in the journal up to `end`: that pull waits
+        for it to be durable, which starts now, while the consumer's pull is on its way."""
+        self.reserved_end = max(self.reserved_end, end)
+        self.core.store.flusher.request(end)
+
     def stored(self, subjects: set[str]) -> None:
         """Messages of `subjects` (base subjects) were stored and the pulls waiting for them woken:
         once those pulls have taken theirs (they run first, being woken first), reserve the rest."""
@@ -100,8 +106,7 @@ class ServeAhead:
                 del self.away[key]
                 continue
             if end is not None:
-                self.reserved_end = max(self.reserved_end, end)
-                self.core.store.flusher.request(end)  # durable while the consumer's pull is on its way
+                self.journalled(end)
             served = sum(len(b["messages"]) for b in batches)
             if served:
                 metrics.SERVED_AHEAD.inc(served)

@@ -177,9 +177,11 @@ class Consuming:
         batches: list[dict] = []
         try:
             self._take_into(entries, batches, pull, ahead)
-        finally:
-            end = self.core.commit(entries, delivery=True) if entries else None
-        return batches, end
+        except BaseException:
+            if entries:  # what it applied may be handed out by a later pull: that one waits for this entry
+                self.ahead.journalled(self.core.commit(entries, delivery=True))
+            raise
+        return batches, (self.core.commit(entries, delivery=True) if entries else None)
 
     def _take_ahead(self, pull: PullRequest, count: int) -> tuple[list[dict], int | None]:
         return self._take(pull, ahead=count)
