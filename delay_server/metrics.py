@@ -43,6 +43,7 @@ class SchedulerCollector:
             yield counter
         for name, help_text, value in (
             ("qmq_delay_wheel_messages", "Messages in the in-memory wheel", len(s.wheel)),
+            ("qmq_delay_parked_messages", "Due messages waiting for a broker of their subject", len(s.parking)),
             ("qmq_delay_loaded_buckets", "Buckets loaded into the wheel", len(s.loaded)),
             ("qmq_delay_cancels_kept", "Cancelled ids kept in memory", len(s.cancels)),
         ):

@@ -8,8 +8,9 @@
   until their due millisecond, then delivered; a message whose id was cancelled is dropped.
 - **Delivering**: through `AsyncClient`, in batches, to a writable broker group of the subject (the
   client tries another group on failure); what a broker acknowledged is written to the dispatch
-  log and noted in the message log (`on_dispatched`); what failed goes back into the wheel after a
-  backoff, forever.
+  log and noted in the message log (`on_dispatched`); what failed is tried again, forever: with its
+  subject's other messages when no broker would take that subject (parking.py), else after a backoff
+  of its own.
 - **Retiring**: a bucket whose time is over and whose every message was delivered or cancelled is
   marked done and unloaded; its files are deleted after the retention.
 """
@@ -32,6 +33,7 @@ from delay_server import dispatch_log, records
 from delay_server.cancels import Cancels
 from delay_server.clock import CLOCK_POLL_S, Clock
 from delay_server.dispatch_log import DispatchLog
+from delay_server.parking import Parking
 from delay_server.schedule_log import (
     INDEX_SIZE,
     INDEX_SUFFIX,
@@ -44,6 +46,7 @@ from delay_server.schedule_log import (
 from delay_server.wheel import TICK_MS, Wheel, ref, split_ref, tick_of
 from qmq.client.aio import AsyncClient
 from qmq.client.messages import ForwardedMessage
+from qmq.client.sending import RETRIABLE_SEND_CODES
 from qmq.metrics import Histogram
 from qmq.store import record as rec
 
@@ -53,7 +56,8 @@ DEFAULT_LOAD_AHEAD_S = 30 * 60
 DEFAULT_RETENTION_S = 72 * 3600  # delivered buckets are kept this long after they end
 DELIVERY_BATCH = 1024  # messages in one AsyncClient.send call, at most
 DELIVERERS = 8  # send calls in flight at once; each takes whatever is due when it is free (batches grow with load)
-RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after the n-th failed delivery of a message; the last repeats
+# after the n-th failed delivery of a message refused for itself (its subject's brokers took others); the last repeats
+RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 LOAD_POLL_S = 1.0  # how often the loader looks for buckets coming due
 RETENTION_POLL_S = 60.0
 CLOSE_GRACE_S = 5.0  # at shutdown, deliveries in flight get this long to finish
@@ -112,6 +116,7 @@ class Scheduler:
         self.on_done: Callable[[int], None] = lambda start_ms: None  # a bucket marked done: noted too
         self._staged: list[tuple[int, int, rec.Record]] = []  # (due ms, ref, record), a heap
         self._attempts: dict[int, int] = {}  # ref -> failed deliveries, for the backoff
+        self.parking = Parking()  # messages of subjects no broker would take, probed (parking.py)
         self.counters = {"scheduled": 0, "fired": 0, "skipped": 0, "failures": 0}
         self.lateness = Histogram(LATENESS_BUCKETS_S)  # delivery time minus due time, seconds
         self._wake = asyncio.Event()
@@ -265,6 +270,8 @@ class Scheduler:
         while True:
             self._wake.clear()
             now = self.clock.now_ms()
+            for probe in self.parking.due_probes(now, DELIVERY_BATCH):
+                self._stage(probe)
             for slot in self.wheel.take_due(now // TICK_MS):
                 self._stage(slot)
             due = []
@@ -276,6 +283,8 @@ class Scheduler:
             wake_at = [self.wheel.next_tick() * TICK_MS] if len(self.wheel) else []
             if staged:
                 wake_at.append(staged[0][0])
+            if (probe_at := self.parking.next_probe_ms()) is not None:
+                wake_at.append(probe_at)
             timeout = max(0.0, (min(wake_at) - self.clock.now_ms()) / 1000) if wake_at else None
             if timeout == 0.0:
                 await asyncio.sleep(0)
@@ -337,13 +346,16 @@ class Scheduler:
         try:
             assert self.client is not None, "the scheduler has no client to deliver with"
             results = await self.client.send(messages)
-            errors = [None if r.ok else (r.error or "not stored") for r in results]
+            errors = [None if r.ok else (r.error_code, r.error or "not stored") for r in results]
         except Exception as exc:  # the client promises results, not exceptions; be safe all the same
-            errors = [repr(exc)] * len(items)
+            errors = [(None, repr(exc))] * len(items)
         now = self.clock.now_ms()
-        failed = 0
         touched: set[LoadedBucket] = set()
-        for (due_ms, value, _record), error in zip(items, errors, strict=True):
+        stored: set[str] = set()  # subjects a broker took messages of
+        unreachable: dict[str, list[int]] = {}  # subject -> its messages no broker would take now
+        why: dict[str, str] = {}  # subject -> the first such error
+        refused: list[tuple[int, str]] = []
+        for (due_ms, value, record), error in zip(items, errors, strict=True):
             lb = self._by_slot[split_ref(value)[0]]
             touched.add(lb)
             if error is None:
@@ -351,17 +363,36 @@ class Scheduler:
                 lb.pending -= 1
                 self._attempts.pop(value, None)
                 self.lateness.observe(max(0, now - due_ms) / 1000)
+                stored.add(record.subject)
+            elif error[0] in RETRIABLE_SEND_CODES:
+                unreachable.setdefault(record.subject, []).append(value)
+                why.setdefault(record.subject, error[1])
             else:
-                attempts = self._attempts[value] = self._attempts.get(value, 0) + 1
-                backoff = RETRY_BACKOFF_S[min(attempts, len(RETRY_BACKOFF_S)) - 1]
-                self.wheel.add(tick_of(now + int(backoff * 1000)), value)
-                if not failed:
-                    log.warning("delivery failed, retrying with backoff (%g s for the first): %s", backoff, error)
-                failed += 1
+                refused.append((value, error[1]))
+        released = False
+        for subject in stored:
+            if (values := self.parking.release(subject)) is not None:
+                self.wheel.add_many(tick_of(now), values)  # its brokers take messages again
+                log.info("a broker takes %s again: %d waiting messages released", subject, len(values))
+                released = True
+        for subject, values in unreachable.items():
+            if subject in stored:  # others of it went: these failed on their own
+                refused.extend((value, "not stored") for value in values)
+            else:
+                if subject not in self.parking.subjects:
+                    log.warning("no broker takes %s now; its messages wait for it, probed: %s", subject, why[subject])
+                self.parking.park(subject, values, now)
+        for n, (value, error) in enumerate(refused):
+            attempts = self._attempts[value] = self._attempts.get(value, 0) + 1
+            backoff = RETRY_BACKOFF_S[min(attempts, len(RETRY_BACKOFF_S)) - 1]
+            self.wheel.add(tick_of(now + int(backoff * 1000)), value)
+            if n == 0:
+                log.warning("delivery failed, retrying with backoff (%g s for the first): %s", backoff, error)
+        failed = sum(e is not None for e in errors)
         self.counters["fired"] += len(items) - failed
         self.counters["failures"] += failed
         self._flush_delivered(touched)
-        if failed:
+        if failed or released:
             self._wake.set()
         for lb in touched:
             self._check_done(lb)
@@ -419,6 +450,8 @@ class Scheduler:
             "wheel": len(self.wheel),
             "wheel_bytes": self.wheel.nbytes(),
             "held": len(self._staged),
+            "parked": len(self.parking),  # waiting for a broker of their subject (parking.py)
+            "parked_subjects": sorted(self.parking.subjects),
             "cancels_kept": len(self.cancels),
             **self.counters,
             "lateness": {

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from datetime import UTC, datetime, timedelta
 
+from delay_server.parking import PROBE_BACKOFF_S
 from delay_server.schedule_log import bucket_name
 from qmq.client import Client, OutgoingMessage
 from qmq.protocol.errors import ErrorCode
@@ -172,6 +173,35 @@ def test_400_days_ahead_limit_cancel_and_qmq_send(processes, tmp_path) -> None:
     far_copy = [json.loads(line) for line in dump.stdout.splitlines() if far_msg.id in line]
     assert len(far_copy) == 1 and far_copy[0]["bucket"] == bucket
     assert far_copy[0]["due_at"] == datetime.fromtimestamp(far / 1000, tz=UTC).isoformat(timespec="milliseconds")
+
+
+def test_messages_due_during_a_broker_outage_go_within_a_probe_interval_of_its_end(processes, tmp_path) -> None:
+    """No broker takes the subject (a group failing over, here its only broker killed): the due
+    messages wait together and a batch of them is tried every PROBE_BACKOFF_S (2 s at most), not each
+    on a backoff of its own (which after six failures waits 30 s). So once the broker is back they
+    are stored within about one probe interval, however long the outage was (delay_server/parking.py)."""
+    broker = start_broker(processes, tmp_path / "broker")
+    delay = start_delay_server(processes, tmp_path / "delay", "--broker", broker.address)
+    with Client(brokers=[broker.address], delay_servers=[delay.address]) as client:
+        due = send_spread(client, "delay.parked", 50, 1.0)
+    processes.kill(broker.proc)
+    # Six tries of each message: alone, the next would wait 30 s; parked, 2 s.
+    wait_until(lambda: delay.stats()["failures"] >= 6 * len(due), "six failed tries of each message", 60)
+    stats = delay.stats()
+    assert stats["fired"] == 0 and stats["parked_subjects"] == ["delay.parked"]
+    broker = restart_broker(processes, broker)
+    back_ms = now_ms()
+    consumer_client = Client(brokers=[broker.address])
+    arrivals = Arrivals(consumer_client, "delay.parked")
+    try:
+        assert not arrivals.wait_for(set(due), 60)
+    finally:
+        arrivals.close()
+        consumer_client.close()
+    assert all(len(times) == 1 for times in arrivals.received.values())
+    late_s = (max(arrivals.stored_at.values()) - back_ms) / 1000
+    assert late_s < PROBE_BACKOFF_S[-1] + 8.0, f"stored {late_s:.1f} s after the broker was back"
+    assert delay.stats()["parked"] == 0 and delay.stats()["parked_subjects"] == []
 
 
 def test_broker_down_when_messages_come_due_then_metrics_and_sigterm(processes, tmp_path) -> None:
