@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
+from tests.support import waiting
 from tests.support.broker import RawConsumer, send, start_broker
 
 FS_BYTES = 40 * 1024 * 1024
@@ -39,13 +39,7 @@ def free_bytes(path: Path) -> int:
 
 
 def wait_until(condition, what: str):
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return waiting.wait_until(condition, what, DEADLINE_S)
 
 
 def test_full_disk_turns_the_broker_read_only_and_freeing_space_brings_it_back(processes, tmp_path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import pytest
 from qmq.net.client import BlockingConnection
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
+from tests.support import waiting
 from tests.support.databases import fresh_database, set_connections_allowed, sqlite_or_postgres
 from tests.support.processes import ProcessManager, free_port, wait_for_port
 
@@ -68,12 +68,7 @@ def group_names(reply: dict[str, Any]) -> list[str]:
 def wait_until(condition: Callable[[], Any], what: str, deadline_s: float = STATE_DEADLINE_S) -> Any:
     """Poll `condition` until it returns something truthy. Used only where the server's state changes
     with the passing of time (a heartbeat timeout) or in another process's log file."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"not within {deadline_s} s: {what}")
+    return waiting.wait_until(condition, what, deadline_s)
 
 
 def log_text(proc) -> str:

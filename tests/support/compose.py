@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import waiting
 from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,13 +77,7 @@ def run(args: Sequence[str], *, timeout: float = COMMAND_TIMEOUT_S, **kwargs: An
 
 def wait_until(condition: Callable[[], Any], what: str, deadline_s: float, explain: Callable[[], str] = str) -> Any:
     """Poll `condition` until it returns something truthy; fail with `explain()` after the deadline."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        if result := condition():
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {deadline_s:g} s: {what}\n{explain()}")
-        time.sleep(POLL_S)
+    return waiting.wait_until(condition, what, deadline_s, explain=explain, poll_s=POLL_S)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from qmq.protocol.codes import RequestCode
 from tests.support.broker import ROOT, Broker, start_broker
 from tests.support.delay import start_delay_server
 from tests.support.processes import free_port, wait_for_port
+from tests.support.waiting import wait_until
 
 HOST = "127.0.0.1"
 FAILOVER_AFTER_S = 2.0  # short, so tests fail over in seconds
@@ -87,13 +87,7 @@ def replication(broker: Broker) -> dict[str, Any] | None:
 
 
 def wait_for(condition, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)  # polling another process's state: no event to await from here
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return wait_until(condition, what, timeout)
 
 
 def wait_role(broker: Broker, role: str, timeout: float = 60.0, epoch: int | None = None) -> dict[str, Any]:
