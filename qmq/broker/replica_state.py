@@ -28,6 +28,7 @@ from pathlib import Path
 from qmq.broker import recovery, snapshot
 from qmq.broker.background import snapshot_interval_s
 from qmq.broker.state import BrokerState
+from qmq.protocol.limits import ACTION_SUBJECT
 from qmq.store.store import LogStore
 
 log = logging.getLogger("qmq.broker")
@@ -100,6 +101,8 @@ class ReplicaState:
                     await self._wake.wait()
             self._wake.clear()
             save = time.monotonic() - saved_at >= self.snapshot_interval_s
+            if not save and not self._journal_grew():
+                continue  # a chunk of sends only: no thread hop for nothing to apply
             try:
                 await asyncio.to_thread(self._step, save)
             except Exception:
@@ -108,6 +111,10 @@ class ReplicaState:
                 continue
             if save:
                 saved_at = time.monotonic()
+
+    def _journal_grew(self) -> bool:
+        state = self.state
+        return state is None or self.store.next_seq(ACTION_SUBJECT) > state.journal_seq
 
     def _step(self, save: bool) -> None:
         """Apply the durable journal records not applied yet; save a snapshot if asked and the state
