@@ -2,15 +2,19 @@
 down, failing over or read-only) wait here together instead of each backing off on its own.
 
 Why: a broker group's failover takes seconds (10 s by default). Messages backing off one by one (0.5 s
-up to 30 s) would come late by up to that much again once it is over; trying each of them every second
-instead would cost a send per message per second through a long outage. Here a subject is *probed*:
-one batch of its parked messages is tried again after PROBE_BACKOFF_S, and the first message of the
-subject a broker stores (a probe, or a message that came due meanwhile) releases them all at once. So
-the messages of a subject are late by at most the outage plus the last probe interval, and an outage
-costs one batch per subject per interval.
+up to 30 s) would come late by up to that much again once it is over; trying each of them every two
+seconds instead would cost a send per message every two seconds through a long outage. Here a subject
+is *probed*: a few of its parked messages (PROBE_MESSAGES) are tried again after PROBE_BACKOFF_S, and
+the first message of the subject a broker stores (a probe, or a message that came due meanwhile)
+releases them all. So the messages of a subject are late by at most the outage plus the last probe
+interval, and an outage costs a few sends per subject per interval.
 
-A message refused for itself (too large, say) while others of its subject are stored is not parked:
-it backs off on its own (scheduler.py). Nothing here does I/O.
+A released backlog is handed back to the wheel RELEASE_PER_TICK messages per tick (the scheduler reads
+each tick's messages on its event loop, which must keep answering). A subject parked again soon after
+its release (its brokers take a few messages, not the backlog: big batches time out, say) has its
+next release put off by RELEASE_BACKOFF_S, growing each time, so a flapping subject costs no more
+than each message's own backoff did. A message refused for itself (too large, say) while others of
+its subject are stored is not parked: it backs off on its own (scheduler.py). Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-PROBE_BACKOFF_S = (0.5, 1.0, 2.0)  # parked -> first probe, then after each failed probe; the last repeats
+PROBE_BACKOFF_S = (0.5, 1.0, 2.0)  # parked -> first probe, then after each probe; the last repeats
+PROBE_MESSAGES = 8  # tried in one probe: one stored releases the rest
+REPARK_WINDOW_S = 5.0  # parked again within this of its release: the release came too soon
+RELEASE_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after the n-th release too soon in a row; the last repeats
+RELEASE_PER_TICK = 8192  # messages of a released backlog per wheel tick (500 ms): about 16,000 a second
+STATS_SUBJECTS = 20  # subjects named in the stats, those with the most parked first
 
 
 @dataclass
@@ -27,46 +36,60 @@ class ParkedSubject:
     probe_at_ms: int
     values: array = field(default_factory=lambda: array("q"))  # wheel references (wheel.ref)
     probes: int = 0  # sent since it was parked (each one's failure parks its messages again)
+    streak: int = 0  # releases in a row that came too soon (REPARK_WINDOW_S)
 
 
 class Parking:
     def __init__(self) -> None:
         self.subjects: dict[str, ParkedSubject] = {}
         self.count = 0  # messages parked, probes out not counted
+        self._released: dict[str, tuple[int, int]] = {}  # subject -> (ms its last release went, its streak)
 
     def __len__(self) -> int:
         return self.count
 
-    def park(self, subject: str, values: Iterable[int], now_ms: int) -> None:
+    def park(self, subject: str, values: Iterable[int], now_ms: int) -> int | None:
         """None of `values` (messages of `subject`) was stored, and nothing of `subject` in the same
-        delivery was: its brokers are out of reach."""
+        delivery was: its brokers are out of reach. Returns None if the subject was parked already,
+        else how many of its releases in a row came too soon (0: the first time in a while)."""
         parked = self.subjects.get(subject)
+        streak = None
         if parked is None:
-            parked = self.subjects[subject] = ParkedSubject(now_ms + _ms(PROBE_BACKOFF_S[0]))
+            released_ms, last_streak = self._released.pop(subject, (None, 0))
+            soon = released_ms is not None and now_ms - released_ms <= _ms(REPARK_WINDOW_S)
+            streak = last_streak + 1 if soon else 0
+            parked = self.subjects[subject] = ParkedSubject(now_ms + _ms(PROBE_BACKOFF_S[0]), streak=streak)
         before = len(parked.values)
         parked.values.extend(values)
         self.count += len(parked.values) - before
+        return streak
 
-    def release(self, subject: str) -> array | None:
-        """A broker stored a message of `subject`: every message parked for it, to deliver now."""
+    def release(self, subject: str, now_ms: int) -> tuple[array, int] | None:
+        """A broker stored a message of `subject`: every message parked for it, and the ms from now
+        when they may go (0, unless its last releases came too soon)."""
         parked = self.subjects.pop(subject, None)
         if parked is None:
             return None
         self.count -= len(parked.values)
-        return parked.values
+        delay_ms = _ms(RELEASE_BACKOFF_S[min(parked.streak, len(RELEASE_BACKOFF_S)) - 1]) if parked.streak else 0
+        self._forget_old_releases(now_ms)
+        self._released[subject] = (now_ms + delay_ms, parked.streak)  # when they go
+        return parked.values, delay_ms
 
-    def due_probes(self, now_ms: int, size: int) -> list[array]:
-        """For each subject whose probe is due, up to `size` of its messages to try again now. The next
-        probe is set at once, whatever becomes of this one: a probe that never comes back (its
-        messages cancelled meanwhile, a send that hangs) cannot stop the subject being probed."""
+    def _forget_old_releases(self, now_ms: int) -> None:
+        if len(self._released) > len(self.subjects) + 1024:  # now and then: most are long past
+            self._released = {s: r for s, r in self._released.items() if now_ms - r[0] <= _ms(REPARK_WINDOW_S)}
+
+    def due_probes(self, now_ms: int) -> list[array]:
+        """For each subject whose probe is due, the few messages to try again now. The next probe is
+        set at once, whatever becomes of this one: a probe that never comes back (its messages
+        cancelled meanwhile, a send that hangs) cannot stop the subject being probed."""
         probes = []
-        for subject, parked in list(self.subjects.items()):
-            if parked.probe_at_ms > now_ms:
+        for parked in self.subjects.values():
+            if parked.probe_at_ms > now_ms or not parked.values:
                 continue
-            if not parked.values:  # its probe took the last of them and has not failed (yet)
-                del self.subjects[subject]
-                continue
-            probe, parked.values = parked.values[:size], parked.values[size:]
+            probe = parked.values[-PROBE_MESSAGES:]
+            del parked.values[-PROBE_MESSAGES:]
             parked.probes += 1
             parked.probe_at_ms = now_ms + _ms(PROBE_BACKOFF_S[min(parked.probes, len(PROBE_BACKOFF_S) - 1)])
             self.count -= len(probe)
@@ -76,6 +99,17 @@ class Parking:
     def next_probe_ms(self) -> int | None:
         due = [p.probe_at_ms for p in self.subjects.values() if p.values]
         return min(due) if due else None
+
+    def stats(self) -> dict[str, int]:
+        """The subjects with the most messages parked (at most STATS_SUBJECTS): subject -> count."""
+        counts = sorted(((len(p.values), s) for s, p in self.subjects.items() if p.values), reverse=True)
+        return {subject: count for count, subject in counts[:STATS_SUBJECTS]}
+
+
+def release_ticks(values: array, first_tick: int) -> Iterable[tuple[int, array]]:
+    """(tick, values) to hand a released backlog back to the wheel, RELEASE_PER_TICK per tick."""
+    for n, start in enumerate(range(0, len(values), RELEASE_PER_TICK)):
+        yield first_tick + n, values[start : start + RELEASE_PER_TICK]
 
 
 def _ms(seconds: float) -> int:

@@ -33,7 +33,7 @@ from delay_server import dispatch_log, records
 from delay_server.cancels import Cancels
 from delay_server.clock import CLOCK_POLL_S, Clock
 from delay_server.dispatch_log import DispatchLog
-from delay_server.parking import Parking
+from delay_server.parking import Parking, release_ticks
 from delay_server.schedule_log import (
     INDEX_SIZE,
     INDEX_SUFFIX,
@@ -270,7 +270,7 @@ class Scheduler:
         while True:
             self._wake.clear()
             now = self.clock.now_ms()
-            for probe in self.parking.due_probes(now, DELIVERY_BATCH):
+            for probe in self.parking.due_probes(now):
                 self._stage(probe)
             for slot in self.wheel.take_due(now // TICK_MS):
                 self._stage(slot)
@@ -371,17 +371,21 @@ class Scheduler:
                 refused.append((value, error[1]))
         released = False
         for subject in stored:
-            if (values := self.parking.release(subject)) is not None:
-                self.wheel.add_many(tick_of(now), values)  # its brokers take messages again
+            if (release := self.parking.release(subject, now)) is not None:  # its brokers take messages again
+                values, delay_ms = release
+                for tick, chunk in release_ticks(values, tick_of(now + delay_ms)):
+                    self.wheel.add_many(tick, chunk)
                 log.info("a broker takes %s again: %d waiting messages released", subject, len(values))
                 released = True
         for subject, values in unreachable.items():
             if subject in stored:  # others of it went: these failed on their own
                 refused.extend((value, "not stored") for value in values)
-            else:
-                if subject not in self.parking.subjects:
-                    log.warning("no broker takes %s now; its messages wait for it, probed: %s", subject, why[subject])
-                self.parking.park(subject, values, now)
+                continue
+            streak = self.parking.park(subject, values, now)
+            if streak is not None:  # newly parked; parked again soon after its release: quieter
+                (log.warning if streak == 0 else log.info)(
+                    "no broker takes %s now; its messages wait for it, probed: %s", subject, why[subject]
+                )
         for n, (value, error) in enumerate(refused):
             attempts = self._attempts[value] = self._attempts.get(value, 0) + 1
             backoff = RETRY_BACKOFF_S[min(attempts, len(RETRY_BACKOFF_S)) - 1]
@@ -451,7 +455,7 @@ class Scheduler:
             "wheel_bytes": self.wheel.nbytes(),
             "held": len(self._staged),
             "parked": len(self.parking),  # waiting for a broker of their subject (parking.py)
-            "parked_subjects": sorted(self.parking.subjects),
+            "parked_subjects": self.parking.stats(),  # the subjects with the most, and how many
             "cancels_kept": len(self.cancels),
             **self.counters,
             "lateness": {

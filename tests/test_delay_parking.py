@@ -1,42 +1,78 @@
-"""Parking (delay_server/parking.py), without I/O: a subject's parked messages are probed one batch at
-a time on PROBE_BACKOFF_S, and released all at once."""
+"""Parking (delay_server/parking.py), without I/O: a parked subject is probed a few messages at a time
+on PROBE_BACKOFF_S and released whole; a release that comes too soon is put off longer each time; a
+released backlog goes back to the wheel a bounded number per tick."""
 
 from __future__ import annotations
 
-from delay_server.parking import PROBE_BACKOFF_S, Parking
+from array import array
+
+from delay_server.parking import (
+    PROBE_BACKOFF_S,
+    PROBE_MESSAGES,
+    RELEASE_BACKOFF_S,
+    RELEASE_PER_TICK,
+    REPARK_WINDOW_S,
+    Parking,
+    release_ticks,
+)
+
+PARKED = 20
 
 
-def test_a_parked_subject_is_probed_a_batch_at_a_time_on_the_backoff_then_released_whole() -> None:
+def test_a_parked_subject_is_probed_a_few_at_a_time_on_the_backoff_then_released_whole() -> None:
     parking = Parking()
-    parking.park("s", range(10), now_ms=0)
-    parking.park("t", [100], now_ms=0)
-    assert len(parking) == 11
+    assert parking.park("s", range(PARKED), now_ms=0) == 0  # newly parked, the first time in a while
+    assert parking.park("s", [PARKED], now_ms=10) is None  # parked already
+    assert len(parking) == PARKED + 1
     assert parking.next_probe_ms() == PROBE_BACKOFF_S[0] * 1000
-    assert parking.due_probes(now_ms=499, size=4) == []
-    probes = parking.due_probes(now_ms=500, size=4)
-    assert [list(p) for p in probes] == [[0, 1, 2, 3], [100]]
-    assert len(parking) == 6  # a probe out is not parked
-    parking.park("s", [0, 1, 2, 3], now_ms=510)  # the probe failed: back, the next one later
-    assert parking.due_probes(now_ms=1499, size=4) == []
-    [probe] = parking.due_probes(now_ms=1500, size=4)
-    assert list(probe) == [4, 5, 6, 7]
-    parking.park("s", probe, now_ms=1500)
-    times = []
-    for _ in range(4):  # the interval grows to its last step and stays there
+    assert parking.due_probes(now_ms=499) == []
+    [probe] = parking.due_probes(now_ms=500)
+    assert len(probe) == PROBE_MESSAGES and len(parking) == PARKED + 1 - PROBE_MESSAGES  # a probe out is not parked
+    assert parking.stats() == {"s": PARKED + 1 - PROBE_MESSAGES}
+    times, now = [], 500
+    for _ in range(4):  # each probe fails: the interval grows to its last step and stays there
+        parking.park("s", probe, now)
         now = parking.next_probe_ms()
         times.append(now)
-        parking.park("s", parking.due_probes(now, size=4)[0], now)
-    assert [b - a for a, b in zip([1500, *times], times, strict=False)] == [2000, 2000, 2000, 2000]
-    assert sorted(parking.release("s")) == list(range(10))
-    assert parking.release("s") is None
-    assert len(parking) == 0 and parking.subjects == {}  # "t": its probe took its one message
+        [probe] = parking.due_probes(now)
+    assert [b - a for a, b in zip([500, *times], times, strict=False)] == [1000, 2000, 2000, 2000]
+    parking.park("s", probe, now)
+    values, delay_ms = parking.release("s", now_ms=now)
+    assert sorted(values) == list(range(PARKED + 1)) and delay_ms == 0
+    assert parking.release("s", now_ms=now) is None
+    assert len(parking) == 0 and parking.stats() == {} and parking.next_probe_ms() is None
 
 
-def test_a_subject_whose_probe_took_its_last_messages_is_forgotten_when_the_next_one_is_due() -> None:
+def test_a_subject_parked_again_soon_after_its_release_waits_longer_each_time() -> None:
+    parking = Parking()
+    now = 0
+    delays = []
+    for _ in range(len(RELEASE_BACKOFF_S) + 2):
+        parking.park("s", [1, 2, 3], now)
+        _, delay_ms = parking.release("s", now)
+        delays.append(delay_ms)
+        now += delay_ms + 100  # released, sent, refused again at once
+    assert delays == [0, *(int(s * 1000) for s in RELEASE_BACKOFF_S), int(RELEASE_BACKOFF_S[-1] * 1000)]
+    later = now + int(REPARK_WINDOW_S * 1000)  # a while after the last release went: a new outage
+    assert parking.park("s", [1], later) == 0
+    assert parking.release("s", later)[1] == 0
+
+
+def test_a_released_backlog_goes_back_a_bounded_number_per_tick() -> None:
+    backlog = array("q", range(2 * RELEASE_PER_TICK + 5))
+    ticks = list(release_ticks(backlog, first_tick=100))
+    assert [(tick, len(chunk)) for tick, chunk in ticks] == [
+        (100, RELEASE_PER_TICK),
+        (101, RELEASE_PER_TICK),
+        (102, 5),
+    ]
+    assert [v for _, chunk in ticks for v in chunk] == list(backlog)
+
+
+def test_a_subject_whose_probe_took_its_last_messages_is_not_probed_until_more_are_parked() -> None:
     parking = Parking()
     parking.park("s", [1], now_ms=0)
-    assert [list(p) for p in parking.due_probes(500, size=4)] == [[1]]  # then cancelled, say: never comes back
-    assert parking.next_probe_ms() is None and parking.due_probes(1500, size=4) == []
-    assert parking.subjects == {}
-    parking.park("s", [2], now_ms=2000)  # parked anew: probed soon again
-    assert parking.next_probe_ms() == 2000 + PROBE_BACKOFF_S[0] * 1000
+    assert [list(p) for p in parking.due_probes(500)] == [[1]]  # then cancelled, say: never comes back
+    assert parking.next_probe_ms() is None and parking.due_probes(10_000) == []
+    assert parking.park("s", [2], now_ms=10_000) is None  # still parked: probed on its schedule
+    assert parking.next_probe_ms() == 500 + PROBE_BACKOFF_S[1] * 1000

@@ -208,6 +208,7 @@ class Fetcher:
                 self.unreachable = False
                 continue
             except RemoteError as exc:
+                self.unreachable = False  # it answered
                 if failures == 0:
                     log.warning("master %s refused a fetch: %s", self.master, exc)
                 if exc.code in (ErrorCode.NOT_MASTER, ErrorCode.BAD_REQUEST):
@@ -272,6 +273,7 @@ class Fetcher:
         finally:
             self._polling = False
         self.fetches += 1
+        self.unreachable = False  # whatever comes of the reply, the master answered
         self.pipelined = reply.get("pipelined") is True
         data = reply.get("data") or b""
         self.master_end = int(reply.get("end", 0))

@@ -599,8 +599,8 @@ class Roles:
         return epochs
 
     def _save_epochs(self, epochs: ep.Epochs) -> None:
-        self.epochs = epochs
         ep.save(self.data_dir, epochs)
+        self.epochs = epochs
 
     def _changed(self) -> None:
         self.duty.set_role(str(self.role), self.epoch)
