@@ -17,7 +17,9 @@ from datetime import UTC, datetime, timedelta
 from delay_server.parking import PROBE_BACKOFF_S
 from delay_server.schedule_log import bucket_name
 from delay_server.scheduler import RETRY_BACKOFF_S
+from qmq.admin.views import delay_view
 from qmq.client import Client, OutgoingMessage
+from qmq.client.blocking import Admin
 from qmq.protocol.errors import ErrorCode
 from tests.support.broker import ROOT, restart_broker, start_broker
 from tests.support.delay import Arrivals, dispatched_ids, restart_delay_server, start_delay_server
@@ -192,6 +194,9 @@ def test_messages_due_during_a_broker_outage_go_within_a_probe_interval_of_its_e
     time.sleep(sum(RETRY_BACKOFF_S[:5]) + 1.5)
     stats = delay.stats()
     assert stats["fired"] == 0 and stats["parked"] > 0 and list(stats["parked_subjects"]) == ["delay.parked"]
+    with Admin(brokers=[broker.address], delay_servers=[delay.address]) as admin:  # what the console shows
+        [server] = delay_view(admin.delay_stats())["servers"]
+    assert server["parked"] > 0 and [p["subject"] for p in server["parked_subjects"]] == ["delay.parked"]
     broker = restart_broker(processes, broker)
     back_ms = now_ms()
     consumer_client = Client(brokers=[broker.address])

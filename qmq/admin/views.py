@@ -228,7 +228,8 @@ def workers_view(answers: list[Answer]) -> dict[str, Any]:
 
 
 def delay_view(answers: list[Answer]) -> dict[str, Any]:
-    """{"servers": each delay server's pending messages, and per hour bucket ahead; "errors"}."""
+    """{"servers": each delay server's pending messages, per hour bucket ahead, and those due but
+    waiting for a broker of their subject (parked: delay_server/parking.py); "errors"}."""
     servers = []
     for answer in answers:
         if not answer.ok:
@@ -244,6 +245,10 @@ def delay_view(answers: list[Answer]) -> dict[str, Any]:
                 "buckets": buckets,
                 "fired": reply.get("fired", 0),
                 "cancels_kept": reply.get("cancels_kept", 0),
+                "parked": reply.get("parked", 0),
+                "parked_subjects": [
+                    {"subject": s, "count": n} for s, n in (reply.get("parked_subjects") or {}).items()
+                ],
             }
         )
     return {"servers": servers, "errors": errors(answers)}
