@@ -10,11 +10,13 @@ releases them all. So the messages of a subject are late by at most the outage p
 interval, and an outage costs a few sends per subject per interval.
 
 A released backlog is handed back to the wheel RELEASE_PER_TICK messages per tick (the scheduler reads
-each tick's messages on its event loop, which must keep answering). A subject parked again soon after
-its release (its brokers take a few messages, not the backlog: big batches time out, say) has its
-next release put off by RELEASE_BACKOFF_S, growing each time, so a flapping subject costs no more
-than each message's own backoff did. A message refused for itself (too large, say) while others of
-its subject are stored is not parked: it backs off on its own (scheduler.py). Nothing here does I/O.
+each tick's messages on its event loop, which must keep answering). A subject parked again by a send
+that began after its release went and no later than REPARK_WINDOW_S after its last tick (its brokers
+take a few messages, not the backlog: big batches time out, say) has its next release put off by
+RELEASE_BACKOFF_S, growing each time, so a flapping subject costs no more than each message's own
+backoff did; a send that began before the release says nothing of it. A message refused for itself
+(too large, say) while others of its subject are stored is not parked: it backs off on its own
+(scheduler.py). Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from delay_server.wheel import TICK_MS
+
 PROBE_BACKOFF_S = (0.5, 1.0, 2.0)  # parked -> first probe, then after each probe; the last repeats
 PROBE_MESSAGES = 8  # tried in one probe: one stored releases the rest
-REPARK_WINDOW_S = 5.0  # parked again within this of its release: the release came too soon
+REPARK_WINDOW_S = 5.0  # a failed send begun within this of a release's last tick: the release came too soon
 RELEASE_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after the n-th release too soon in a row; the last repeats
 RELEASE_PER_TICK = 8192  # messages of a released backlog per wheel tick (500 ms): about 16,000 a second
 STATS_SUBJECTS = 20  # subjects named in the stats, those with the most parked first
@@ -39,25 +43,38 @@ class ParkedSubject:
     streak: int = 0  # releases in a row that came too soon (REPARK_WINDOW_S)
 
 
+@dataclass
+class Release:
+    at_ms: int  # its messages go from here
+    until_ms: int  # its last tick goes here (release_ticks)
+    streak: int  # of the subject when it was released
+
+
 class Parking:
     def __init__(self) -> None:
         self.subjects: dict[str, ParkedSubject] = {}
         self.count = 0  # messages parked, probes out not counted
-        self._released: dict[str, tuple[int, int]] = {}  # subject -> (ms its last release went, its streak)
+        self._released: dict[str, Release] = {}  # subject -> its last release
+        self._kept_after_prune = 0
 
     def __len__(self) -> int:
         return self.count
 
-    def park(self, subject: str, values: Iterable[int], now_ms: int) -> int | None:
-        """None of `values` (messages of `subject`) was stored, and nothing of `subject` in the same
-        delivery was: its brokers are out of reach. Returns None if the subject was parked already,
-        else how many of its releases in a row came too soon (0: the first time in a while)."""
+    def park(self, subject: str, values: Iterable[int], now_ms: int, sent_ms: int) -> int | None:
+        """None of `values` (messages of `subject`, in a send begun at `sent_ms`) was stored, and
+        nothing of `subject` in the same delivery was: its brokers are out of reach. Returns None if
+        the subject was parked already, else how many of its releases in a row came too soon (0: the
+        first time in a while)."""
         parked = self.subjects.get(subject)
         streak = None
         if parked is None:
-            released_ms, last_streak = self._released.pop(subject, (None, 0))
-            soon = released_ms is not None and now_ms - released_ms <= _ms(REPARK_WINDOW_S)
-            streak = last_streak + 1 if soon else 0
+            last = self._released.get(subject)
+            if last is None or sent_ms > last.until_ms + _ms(REPARK_WINDOW_S):
+                streak = 0  # a new outage
+            elif sent_ms >= last.at_ms:
+                streak = last.streak + 1  # the release came too soon
+            else:
+                streak = last.streak  # a send begun before the release: it tells nothing of it
             parked = self.subjects[subject] = ParkedSubject(now_ms + _ms(PROBE_BACKOFF_S[0]), streak=streak)
         before = len(parked.values)
         parked.values.extend(values)
@@ -72,13 +89,19 @@ class Parking:
             return None
         self.count -= len(parked.values)
         delay_ms = _ms(RELEASE_BACKOFF_S[min(parked.streak, len(RELEASE_BACKOFF_S)) - 1]) if parked.streak else 0
+        ticks = -(-len(parked.values) // RELEASE_PER_TICK)
+        at_ms = now_ms + delay_ms
         self._forget_old_releases(now_ms)
-        self._released[subject] = (now_ms + delay_ms, parked.streak)  # when they go
+        self._released[subject] = Release(at_ms, at_ms + max(0, ticks - 1) * TICK_MS, parked.streak)
         return parked.values, delay_ms
 
     def _forget_old_releases(self, now_ms: int) -> None:
-        if len(self._released) > len(self.subjects) + 1024:  # now and then: most are long past
-            self._released = {s: r for s, r in self._released.items() if now_ms - r[0] <= _ms(REPARK_WINDOW_S)}
+        """Drop the releases too old to matter, once their number doubled since the last time (so a
+        burst of releases costs a constant time each)."""
+        if len(self._released) > 2 * self._kept_after_prune + 1024:
+            oldest = now_ms - _ms(REPARK_WINDOW_S)
+            self._released = {s: r for s, r in self._released.items() if r.until_ms >= oldest}
+            self._kept_after_prune = len(self._released)
 
     def due_probes(self, now_ms: int) -> list[array]:
         """For each subject whose probe is due, the few messages to try again now. The next probe is
@@ -88,8 +111,8 @@ class Parking:
         for parked in self.subjects.values():
             if parked.probe_at_ms > now_ms or not parked.values:
                 continue
-            probe = parked.values[-PROBE_MESSAGES:]
-            del parked.values[-PROBE_MESSAGES:]
+            probe = parked.values[:PROBE_MESSAGES]  # the oldest: a failed probe goes to the back
+            del parked.values[:PROBE_MESSAGES]
             parked.probes += 1
             parked.probe_at_ms = now_ms + _ms(PROBE_BACKOFF_S[min(parked.probes, len(PROBE_BACKOFF_S) - 1)])
             self.count -= len(probe)

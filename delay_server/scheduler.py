@@ -343,6 +343,7 @@ class Scheduler:
             )
             for _, _, r in items
         ]
+        sent_ms = self.clock.now_ms()
         try:
             assert self.client is not None, "the scheduler has no client to deliver with"
             results = await self.client.send(messages)
@@ -381,7 +382,7 @@ class Scheduler:
             if subject in stored:  # others of it went: these failed on their own
                 refused.extend((value, "not stored") for value in values)
                 continue
-            streak = self.parking.park(subject, values, now)
+            streak = self.parking.park(subject, values, now, sent_ms)
             if streak is not None:  # newly parked; parked again soon after its release: quieter
                 (log.warning if streak == 0 else log.info)(
                     "no broker takes %s now; its messages wait for it, probed: %s", subject, why[subject]

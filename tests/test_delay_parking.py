@@ -15,28 +15,33 @@ from delay_server.parking import (
     Parking,
     release_ticks,
 )
+from delay_server.wheel import TICK_MS
 
 PARKED = 20
+SEND_TIMEOUT_MS = 10_000  # the client's send timeout: a refusal may come this long after the send
 
 
 def test_a_parked_subject_is_probed_a_few_at_a_time_on_the_backoff_then_released_whole() -> None:
     parking = Parking()
-    assert parking.park("s", range(PARKED), now_ms=0) == 0  # newly parked, the first time in a while
-    assert parking.park("s", [PARKED], now_ms=10) is None  # parked already
+    assert parking.park("s", range(PARKED), now_ms=0, sent_ms=0) == 0  # newly parked, the first time in a while
+    assert parking.park("s", [PARKED], now_ms=10, sent_ms=10) is None  # parked already
     assert len(parking) == PARKED + 1
     assert parking.next_probe_ms() == PROBE_BACKOFF_S[0] * 1000
     assert parking.due_probes(now_ms=499) == []
     [probe] = parking.due_probes(now_ms=500)
-    assert len(probe) == PROBE_MESSAGES and len(parking) == PARKED + 1 - PROBE_MESSAGES  # a probe out is not parked
+    assert list(probe) == list(range(PROBE_MESSAGES))  # the oldest first
+    assert len(parking) == PARKED + 1 - PROBE_MESSAGES  # a probe out is not parked
     assert parking.stats() == {"s": PARKED + 1 - PROBE_MESSAGES}
-    times, now = [], 500
+    times, now, probed = [], 500, [*probe]
     for _ in range(4):  # each probe fails: the interval grows to its last step and stays there
-        parking.park("s", probe, now)
+        parking.park("s", probe, now, now)
         now = parking.next_probe_ms()
         times.append(now)
         [probe] = parking.due_probes(now)
+        probed += probe
     assert [b - a for a, b in zip([500, *times], times, strict=False)] == [1000, 2000, 2000, 2000]
-    parking.park("s", probe, now)
+    assert sorted(set(probed)) == list(range(PARKED + 1))  # a failed probe goes to the back: each gets its turn
+    parking.park("s", probe, now, now)
     values, delay_ms = parking.release("s", now_ms=now)
     assert sorted(values) == list(range(PARKED + 1)) and delay_ms == 0
     assert parking.release("s", now_ms=now) is None
@@ -47,15 +52,46 @@ def test_a_subject_parked_again_soon_after_its_release_waits_longer_each_time() 
     parking = Parking()
     now = 0
     delays = []
+    sent = now
     for _ in range(len(RELEASE_BACKOFF_S) + 2):
-        parking.park("s", [1, 2, 3], now)
+        parking.park("s", [1, 2, 3], now, sent)
         _, delay_ms = parking.release("s", now)
         delays.append(delay_ms)
-        now += delay_ms + 100  # released, sent, refused again at once
+        sent = now + delay_ms  # released, sent as soon as they go, refused after a timeout
+        now = sent + SEND_TIMEOUT_MS
     assert delays == [0, *(int(s * 1000) for s in RELEASE_BACKOFF_S), int(RELEASE_BACKOFF_S[-1] * 1000)]
-    later = now + int(REPARK_WINDOW_S * 1000)  # a while after the last release went: a new outage
-    assert parking.park("s", [1], later) == 0
-    assert parking.release("s", later)[1] == 0
+    later = sent + int(REPARK_WINDOW_S * 1000) + 1  # a send begun well after the last release: a new outage
+    assert parking.park("s", [1], later + SEND_TIMEOUT_MS, later) == 0
+    assert parking.release("s", later + SEND_TIMEOUT_MS)[1] == 0
+
+
+def test_a_send_begun_before_a_release_says_nothing_of_it() -> None:
+    """Around a failover a delivery sent to the old master fails after the subject was released:
+    it parks the subject again, but counts neither for nor against the release."""
+    parking = Parking()
+    parking.park("s", [1], now_ms=0, sent_ms=0)
+    parking.release("s", now_ms=1000)
+    assert parking.park("s", [2], now_ms=1500, sent_ms=900) == 0  # in flight before the release
+    assert parking.release("s", now_ms=2000)[1] == 0
+    assert parking.park("s", [3], now_ms=2100, sent_ms=2000) == 1  # sent after it: too soon
+    assert parking.release("s", now_ms=2200)[1] == int(RELEASE_BACKOFF_S[0] * 1000)
+
+
+def test_a_large_release_counts_as_going_until_its_last_tick() -> None:
+    parking = Parking()
+    parking.park("s", range(3 * RELEASE_PER_TICK), now_ms=0, sent_ms=0)
+    parking.release("s", now_ms=0)  # goes over three ticks: the last one 2 ticks later
+    sent = 2 * TICK_MS + int(REPARK_WINDOW_S * 1000)  # the window counts from the last tick
+    assert parking.park("s", [1], now_ms=sent + SEND_TIMEOUT_MS, sent_ms=sent) == 1
+
+
+def test_old_releases_are_forgotten() -> None:
+    parking = Parking()
+    subjects = 5000
+    for n in range(subjects):
+        parking.park(f"s{n}", [n], now_ms=n, sent_ms=n)
+        parking.release(f"s{n}", now_ms=n * 1000)
+    assert len(parking._released) < subjects  # those more than REPARK_WINDOW_S old went
 
 
 def test_a_released_backlog_goes_back_a_bounded_number_per_tick() -> None:
@@ -71,8 +107,8 @@ def test_a_released_backlog_goes_back_a_bounded_number_per_tick() -> None:
 
 def test_a_subject_whose_probe_took_its_last_messages_is_not_probed_until_more_are_parked() -> None:
     parking = Parking()
-    parking.park("s", [1], now_ms=0)
+    parking.park("s", [1], now_ms=0, sent_ms=0)
     assert [list(p) for p in parking.due_probes(500)] == [[1]]  # then cancelled, say: never comes back
     assert parking.next_probe_ms() is None and parking.due_probes(10_000) == []
-    assert parking.park("s", [2], now_ms=10_000) is None  # still parked: probed on its schedule
+    assert parking.park("s", [2], now_ms=10_000, sent_ms=10_000) is None  # still parked: probed on its schedule
     assert parking.next_probe_ms() == 500 + PROBE_BACKOFF_S[1] * 1000
