@@ -113,8 +113,10 @@ class ReplicaState:
                 saved_at = time.monotonic()
 
     def _journal_grew(self) -> bool:
+        """Whether journal records came that are not applied yet. Read without the store's lock: one
+        whose chunk is still being written is applied at the next chunk, snapshot or close."""
         state = self.state
-        return state is None or self.store.next_seq(ACTION_SUBJECT) > state.journal_seq
+        return state is None or self.store.peek_next_seq(ACTION_SUBJECT) > state.journal_seq
 
     def _step(self, save: bool) -> None:
         """Apply the durable journal records not applied yet; save a snapshot if asked and the state

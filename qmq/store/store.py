@@ -643,6 +643,11 @@ class LogStore:
         with self._lock:
             return self._next_seq.get(subject, 0)
 
+    def peek_next_seq(self, subject: str) -> int:
+        """`next_seq` without waiting for the store's lock (an event loop must not wait for a write
+        on another thread): it may not count an append still in progress."""
+        return self._next_seq.get(subject, 0)
+
     def first_seq(self, subject: str) -> int:
         with self._lock:
             consume_log = self._consume_logs.get(subject)
