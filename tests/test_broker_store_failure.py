@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -17,26 +18,35 @@ from qmq.store.store import LogStore
 from tests.support.stores import SMALL
 
 PEER = PeerInfo("127.0.0.1", 1, "test")
+MESSAGE = {"id": "m1", "subject": "orders", "payload": b"x"}
+PULL = {"subject": "orders", "group": "g", "consumer": "c", "start": "earliest", "wait_ms": 0}
+
+Call = Callable[[int, dict], Awaitable[dict]]
+
+
+async def started(tmp_path) -> tuple[LogStore, BrokerService, Call]:
+    """A broker service in this process on a store of its own, with MESSAGE stored; `call` sends it a
+    request as a connection would."""
+    store = LogStore(tmp_path / "b", SMALL)
+    service = BrokerService(store)
+    service.start()
+
+    async def call(code: int, body: dict) -> dict:
+        return await service.handle(Request(1, code, body), PEER)
+
+    assert (await call(RequestCode.BROKER_SEND, {"messages": [MESSAGE]}))["stored"] == 1
+    return store, service, call
 
 
 def test_requests_on_a_store_that_cannot_write_are_unavailable(tmp_path) -> None:
     async def run() -> None:
-        store = LogStore(tmp_path / "b", SMALL)
-        service = BrokerService(store)
-        service.start()
-
-        async def call(code: int, body: dict) -> dict:
-            return await service.handle(Request(1, code, body), PEER)
-
-        message = {"id": "m1", "subject": "orders", "payload": b"x"}
-        assert (await call(RequestCode.BROKER_SEND, {"messages": [message]}))["stored"] == 1
-        pull = {"subject": "orders", "group": "g", "consumer": "c", "start": "earliest", "wait_ms": 0}
-        [batch] = (await call(RequestCode.BROKER_PULL, pull))["batches"]
+        store, service, call = await started(tmp_path)
+        [batch] = (await call(RequestCode.BROKER_PULL, PULL))["batches"]
         store.close()
         requests = [
             (RequestCode.BROKER_ACK, {"acks": [["orders", "g", "c", batch["first_pull"]]]}),
-            (RequestCode.BROKER_SEND, {"messages": [{**message, "id": "m2"}]}),
-            (RequestCode.BROKER_PULL, {**pull, "group": "new-group"}),  # its creation must be journalled
+            (RequestCode.BROKER_SEND, {"messages": [{**MESSAGE, "id": "m2"}]}),
+            (RequestCode.BROKER_PULL, {**PULL, "group": "new-group"}),  # its creation must be journalled
             (RequestCode.BROKER_RESET, {"subject": "orders", "group": "g", "to": "earliest"}),
         ]
         for code, body in requests:
@@ -55,15 +65,7 @@ def test_a_pull_whose_read_fails_part_way_leaves_its_journal_entry_for_the_next_
     before that entry is durable, so its end is kept and its flush asked for."""
 
     async def run() -> None:
-        store = LogStore(tmp_path / "b", SMALL)
-        service = BrokerService(store)
-        service.start()
-
-        async def call(code: int, body: dict) -> dict:
-            return await service.handle(Request(1, code, body), PEER)
-
-        message = {"id": "m1", "subject": "orders", "payload": b"x"}
-        assert (await call(RequestCode.BROKER_SEND, {"messages": [message]}))["stored"] == 1
+        store, service, call = await started(tmp_path)
         read = store.read
 
         def failing_read(subject, *args, **kwargs):
@@ -72,15 +74,14 @@ def test_a_pull_whose_read_fails_part_way_leaves_its_journal_entry_for_the_next_
             return read(subject, *args, **kwargs)
 
         store.read = failing_read
-        pull = {"subject": "orders", "group": "g", "consumer": "c", "start": "earliest", "wait_ms": 0}
         end_before = store.end_offset
         with pytest.raises((RemoteError, OSError)):
-            await call(RequestCode.BROKER_PULL, pull)
+            await call(RequestCode.BROKER_PULL, PULL)
         assert store.end_offset > end_before  # the group's creation was journalled
         assert service.consuming.ahead.reserved_end == store.end_offset
         assert max(store.flusher.requested_offset, store.durable_offset) >= store.end_offset
         store.read = read
-        [batch] = (await call(RequestCode.BROKER_PULL, pull))["batches"]
+        [batch] = (await call(RequestCode.BROKER_PULL, PULL))["batches"]
         assert [m["id"] for m in batch["messages"]] == ["m1"]
         await service.stop_background()
         store.close()

@@ -178,6 +178,19 @@ def test_400_days_ahead_limit_cancel_and_qmq_send(processes, tmp_path) -> None:
     assert far_copy[0]["due_at"] == datetime.fromtimestamp(far / 1000, tz=UTC).isoformat(timespec="milliseconds")
 
 
+def received_after_restart(processes, broker, subject: str, ids: set[str]) -> Arrivals:
+    """Restart the killed `broker` and consume `subject` from it until every one of `ids` arrived."""
+    broker = restart_broker(processes, broker)
+    consumer_client = Client(brokers=[broker.address])
+    arrivals = Arrivals(consumer_client, subject)
+    try:
+        assert not arrivals.wait_for(ids, 60)
+    finally:
+        arrivals.close()
+        consumer_client.close()
+    return arrivals
+
+
 def test_messages_due_during_a_broker_outage_go_within_a_probe_interval_of_its_end(processes, tmp_path) -> None:
     """No broker takes the subject (a group failing over, here its only broker killed): the due
     messages wait together and a batch of them is tried every PROBE_BACKOFF_S (2 s at most), not each
@@ -197,18 +210,11 @@ def test_messages_due_during_a_broker_outage_go_within_a_probe_interval_of_its_e
     with Admin(brokers=[broker.address], delay_servers=[delay.address]) as admin:  # what the console shows
         [server] = delay_view(admin.delay_stats())["servers"]
     assert server["parked"] > 0 and [p["subject"] for p in server["parked_subjects"]] == ["delay.parked"]
-    broker = restart_broker(processes, broker)
-    back_ms = now_ms()
-    consumer_client = Client(brokers=[broker.address])
-    arrivals = Arrivals(consumer_client, "delay.parked")
-    try:
-        assert not arrivals.wait_for(set(due), 60)
-    finally:
-        arrivals.close()
-        consumer_client.close()
+    back_ms = now_ms()  # the restart begins
+    arrivals = received_after_restart(processes, broker, "delay.parked", set(due))
     assert all(len(times) == 1 for times in arrivals.received.values())
     late_s = (max(arrivals.stored_at.values()) - back_ms) / 1000
-    assert late_s < PROBE_BACKOFF_S[-1] + 8.0, f"stored {late_s:.1f} s after the broker was back"
+    assert late_s < PROBE_BACKOFF_S[-1] + 8.0, f"stored {late_s:.1f} s after the broker's restart began"
     assert delay.stats()["parked"] == 0 and delay.stats()["parked_subjects"] == {}
 
 
@@ -223,14 +229,7 @@ def test_broker_down_when_messages_come_due_then_metrics_and_sigterm(processes, 
         due = send_spread(client, "delay.outage", 50, 1.0)
     wait_until(lambda: delay.stats()["failures"] > 0, "deliveries failed while the broker was down", 20)
     assert delay.stats()["fired"] == 0
-    broker = restart_broker(processes, broker)
-    consumer_client = Client(brokers=[broker.address])
-    arrivals = Arrivals(consumer_client, "delay.outage")
-    try:
-        assert not arrivals.wait_for(set(due), 60)
-    finally:
-        arrivals.close()
-        consumer_client.close()
+    received_after_restart(processes, broker, "delay.outage", set(due))
     assert delay.stats()["fired"] == 50
 
     def scrape() -> str:
