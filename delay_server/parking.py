@@ -9,8 +9,9 @@ the first message of the subject a broker stores (a probe, or a message that cam
 releases them all. So the messages of a subject are late by at most the outage plus the last probe
 interval, and an outage costs a few sends per subject per interval.
 
-A released backlog is handed back to the wheel RELEASE_PER_TICK messages per tick (the scheduler reads
-each tick's messages on its event loop, which must keep answering). A subject parked again by a send
+Released backlogs go back to the wheel RELEASE_PER_TICK messages per tick, all subjects together (the
+scheduler reads each tick's messages on its event loop, which must keep answering: after a meta
+server's outage every subject may be released at once). A subject parked again by a send
 that began after its release went and no later than REPARK_WINDOW_S after its last tick (its brokers
 take a few messages, not the backlog: big batches time out, say) has its next release put off by
 RELEASE_BACKOFF_S, growing each time, so a flapping subject costs no more than each message's own
@@ -31,7 +32,7 @@ PROBE_BACKOFF_S = (0.5, 1.0, 2.0)  # parked -> first probe, then after each prob
 PROBE_MESSAGES = 8  # tried in one probe: one stored releases the rest
 REPARK_WINDOW_S = 5.0  # a failed send begun within this of a release's last tick: the release came too soon
 RELEASE_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after the n-th release too soon in a row; the last repeats
-RELEASE_PER_TICK = 8192  # messages of a released backlog per wheel tick (500 ms): about 16,000 a second
+RELEASE_PER_TICK = 8192  # released messages per wheel tick (500 ms), all subjects together: about 16,000 a second
 STATS_SUBJECTS = 20  # subjects named in the stats, those with the most parked first
 
 
@@ -46,7 +47,7 @@ class ParkedSubject:
 @dataclass
 class Release:
     at_ms: int  # its messages go from here
-    until_ms: int  # its last tick goes here (release_ticks)
+    until_ms: int  # its last tick goes here
     streak: int  # of the subject when it was released
 
 
@@ -56,6 +57,8 @@ class Parking:
         self.count = 0  # messages parked, probes out not counted
         self._released: dict[str, Release] = {}  # subject -> its last release
         self._kept_after_prune = 0
+        self._release_tick = 0  # the wheel tick released messages go into next
+        self._release_room = RELEASE_PER_TICK  # how many more it takes
 
     def __len__(self) -> int:
         return self.count
@@ -81,19 +84,35 @@ class Parking:
         self.count += len(parked.values) - before
         return streak
 
-    def release(self, subject: str, now_ms: int) -> tuple[array, int] | None:
-        """A broker stored a message of `subject`: every message parked for it, and the ms from now
-        when they may go (0, unless its last releases came too soon)."""
+    def release(self, subject: str, now_ms: int) -> list[tuple[int, array]] | None:
+        """A broker stored a message of `subject`: every message parked for it, as (wheel tick,
+        messages) to add to the wheel. They go from now, unless its last releases came too soon, and
+        no more than RELEASE_PER_TICK a tick with the other subjects' released messages."""
         parked = self.subjects.pop(subject, None)
         if parked is None:
             return None
         self.count -= len(parked.values)
         delay_ms = _ms(RELEASE_BACKOFF_S[min(parked.streak, len(RELEASE_BACKOFF_S)) - 1]) if parked.streak else 0
-        ticks = -(-len(parked.values) // RELEASE_PER_TICK)
         at_ms = now_ms + delay_ms
+        ticks = self._paced(parked.values, at_ms // TICK_MS)
         self._forget_old_releases(now_ms)
-        self._released[subject] = Release(at_ms, at_ms + max(0, ticks - 1) * TICK_MS, parked.streak)
-        return parked.values, delay_ms
+        last_tick = ticks[-1][0] if ticks else at_ms // TICK_MS
+        self._released[subject] = Release(at_ms, max(at_ms, last_tick * TICK_MS), parked.streak)
+        return ticks
+
+    def _paced(self, values: array, first_tick: int) -> list[tuple[int, array]]:
+        if first_tick > self._release_tick:
+            self._release_tick, self._release_room = first_tick, RELEASE_PER_TICK
+        ticks = []
+        start = 0
+        while start < len(values):
+            take = min(self._release_room, len(values) - start)
+            ticks.append((self._release_tick, values[start : start + take]))
+            start += take
+            self._release_room -= take
+            if self._release_room == 0:
+                self._release_tick, self._release_room = self._release_tick + 1, RELEASE_PER_TICK
+        return ticks
 
     def _forget_old_releases(self, now_ms: int) -> None:
         """Drop the releases too old to matter, once their number doubled since the last time (so a
@@ -127,12 +146,6 @@ class Parking:
         """The subjects with the most messages parked (at most STATS_SUBJECTS): subject -> count."""
         counts = sorted(((len(p.values), s) for s, p in self.subjects.items() if p.values), reverse=True)
         return {subject: count for count, subject in counts[:STATS_SUBJECTS]}
-
-
-def release_ticks(values: array, first_tick: int) -> Iterable[tuple[int, array]]:
-    """(tick, values) to hand a released backlog back to the wheel, RELEASE_PER_TICK per tick."""
-    for n, start in enumerate(range(0, len(values), RELEASE_PER_TICK)):
-        yield first_tick + n, values[start : start + RELEASE_PER_TICK]
 
 
 def _ms(seconds: float) -> int:

@@ -33,7 +33,7 @@ from delay_server import dispatch_log, records
 from delay_server.cancels import Cancels
 from delay_server.clock import CLOCK_POLL_S, Clock
 from delay_server.dispatch_log import DispatchLog
-from delay_server.parking import Parking, release_ticks
+from delay_server.parking import Parking
 from delay_server.schedule_log import (
     INDEX_SIZE,
     INDEX_SUFFIX,
@@ -372,11 +372,11 @@ class Scheduler:
                 refused.append((value, error[1]))
         released = False
         for subject in stored:
-            if (release := self.parking.release(subject, now)) is not None:  # its brokers take messages again
-                values, delay_ms = release
-                for tick, chunk in release_ticks(values, tick_of(now + delay_ms)):
-                    self.wheel.add_many(tick, chunk)
-                log.info("a broker takes %s again: %d waiting messages released", subject, len(values))
+            if (ticks := self.parking.release(subject, now)) is not None:  # its brokers take messages again
+                for tick, values in ticks:
+                    self.wheel.add_many(tick, values)
+                count = sum(len(values) for _, values in ticks)
+                log.info("a broker takes %s again: %d waiting messages released", subject, count)
                 released = True
         for subject, values in unreachable.items():
             if subject in stored:  # others of it went: these failed on their own

@@ -1,6 +1,6 @@
 """Parking (delay_server/parking.py), without I/O: a parked subject is probed a few messages at a time
 on PROBE_BACKOFF_S and released whole; a release that comes too soon is put off longer each time; a
-released backlog goes back to the wheel a bounded number per tick."""
+released backlog goes back to the wheel a bounded number per tick, all subjects together."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from delay_server.parking import (
     RELEASE_PER_TICK,
     REPARK_WINDOW_S,
     Parking,
-    release_ticks,
 )
 from delay_server.wheel import TICK_MS
 
 PARKED = 20
 SEND_TIMEOUT_MS = 10_000  # the client's send timeout: a refusal may come this long after the send
+
+
+def release_delay_ms(parking: Parking, subject: str, now_ms: int) -> int:
+    """How long after `now_ms` (to the tick) the release of `subject` begins."""
+    first_tick = parking.release(subject, now_ms)[0][0]
+    return first_tick * TICK_MS - now_ms // TICK_MS * TICK_MS
 
 
 def test_a_parked_subject_is_probed_a_few_at_a_time_on_the_backoff_then_released_whole() -> None:
@@ -42,8 +47,8 @@ def test_a_parked_subject_is_probed_a_few_at_a_time_on_the_backoff_then_released
     assert [b - a for a, b in zip([500, *times], times, strict=False)] == [1000, 2000, 2000, 2000]
     assert sorted(set(probed)) == list(range(PARKED + 1))  # a failed probe goes to the back: each gets its turn
     parking.park("s", probe, now, now)
-    values, delay_ms = parking.release("s", now_ms=now)
-    assert sorted(values) == list(range(PARKED + 1)) and delay_ms == 0
+    [(tick, values)] = parking.release("s", now_ms=now)
+    assert sorted(values) == list(range(PARKED + 1)) and tick == now // TICK_MS  # all of them, at once
     assert parking.release("s", now_ms=now) is None
     assert len(parking) == 0 and parking.stats() == {} and parking.next_probe_ms() is None
 
@@ -55,14 +60,14 @@ def test_a_subject_parked_again_soon_after_its_release_waits_longer_each_time() 
     sent = now
     for _ in range(len(RELEASE_BACKOFF_S) + 2):
         parking.park("s", [1, 2, 3], now, sent)
-        _, delay_ms = parking.release("s", now)
+        delay_ms = release_delay_ms(parking, "s", now)
         delays.append(delay_ms)
         sent = now + delay_ms  # released, sent as soon as they go, refused after a timeout
         now = sent + SEND_TIMEOUT_MS
     assert delays == [0, *(int(s * 1000) for s in RELEASE_BACKOFF_S), int(RELEASE_BACKOFF_S[-1] * 1000)]
     later = sent + int(REPARK_WINDOW_S * 1000) + 1  # a send begun well after the last release: a new outage
     assert parking.park("s", [1], later + SEND_TIMEOUT_MS, later) == 0
-    assert parking.release("s", later + SEND_TIMEOUT_MS)[1] == 0
+    assert release_delay_ms(parking, "s", later + SEND_TIMEOUT_MS) == 0
 
 
 def test_a_send_begun_before_a_release_says_nothing_of_it() -> None:
@@ -72,9 +77,9 @@ def test_a_send_begun_before_a_release_says_nothing_of_it() -> None:
     parking.park("s", [1], now_ms=0, sent_ms=0)
     parking.release("s", now_ms=1000)
     assert parking.park("s", [2], now_ms=1500, sent_ms=900) == 0  # in flight before the release
-    assert parking.release("s", now_ms=2000)[1] == 0
+    assert release_delay_ms(parking, "s", now_ms=2000) == 0
     assert parking.park("s", [3], now_ms=2100, sent_ms=2000) == 1  # sent after it: too soon
-    assert parking.release("s", now_ms=2200)[1] == int(RELEASE_BACKOFF_S[0] * 1000)
+    assert release_delay_ms(parking, "s", now_ms=2200) == int(RELEASE_BACKOFF_S[0] * 1000)
 
 
 def test_a_large_release_counts_as_going_until_its_last_tick() -> None:
@@ -94,15 +99,18 @@ def test_old_releases_are_forgotten() -> None:
     assert len(parking._released) < subjects  # those more than REPARK_WINDOW_S old went
 
 
-def test_a_released_backlog_goes_back_a_bounded_number_per_tick() -> None:
-    backlog = array("q", range(2 * RELEASE_PER_TICK + 5))
-    ticks = list(release_ticks(backlog, first_tick=100))
-    assert [(tick, len(chunk)) for tick, chunk in ticks] == [
-        (100, RELEASE_PER_TICK),
-        (101, RELEASE_PER_TICK),
-        (102, 5),
-    ]
-    assert [v for _, chunk in ticks for v in chunk] == list(backlog)
+def test_released_backlogs_go_back_a_bounded_number_per_tick_all_subjects_together() -> None:
+    parking = Parking()
+    parking.park("a", range(RELEASE_PER_TICK + 5), now_ms=0, sent_ms=0)
+    parking.park("b", range(RELEASE_PER_TICK), now_ms=0, sent_ms=0)
+    first = parking.release("a", now_ms=1000)
+    second = parking.release("b", now_ms=1000)  # in the same moment: after a's, not beside it
+    tick = 1000 // TICK_MS
+    assert [(t, len(v)) for t, v in first] == [(tick, RELEASE_PER_TICK), (tick + 1, 5)]
+    assert [(t, len(v)) for t, v in second] == [(tick + 1, RELEASE_PER_TICK - 5), (tick + 2, 5)]
+    assert [x for _, v in first for x in v] == list(range(RELEASE_PER_TICK + 5))
+    parking.park("c", [1], now_ms=60_000, sent_ms=60_000)
+    assert parking.release("c", now_ms=60_000) == [(60_000 // TICK_MS, array("q", [1]))]  # later: at once again
 
 
 def test_a_subject_whose_probe_took_its_last_messages_is_not_probed_until_more_are_parked() -> None:
