@@ -96,8 +96,9 @@ class Parking:
         at_ms = now_ms + delay_ms
         ticks = self._paced(parked.values, at_ms // TICK_MS)
         self._forget_old_releases(now_ms)
-        last_tick = ticks[-1][0] if ticks else at_ms // TICK_MS
-        self._released[subject] = Release(at_ms, max(at_ms, last_tick * TICK_MS), parked.streak)
+        if ticks:  # behind other subjects' released messages, they may go later than `at_ms`
+            at_ms = max(at_ms, ticks[0][0] * TICK_MS)
+        self._released[subject] = Release(at_ms, max(at_ms, ticks[-1][0] * TICK_MS if ticks else 0), parked.streak)
         return ticks
 
     def _paced(self, values: array, first_tick: int) -> list[tuple[int, array]]:
