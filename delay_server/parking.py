@@ -57,8 +57,8 @@ class Parking:
         self.count = 0  # messages parked, probes out not counted
         self._released: dict[str, Release] = {}  # subject -> its last release
         self._kept_after_prune = 0
-        self._release_tick = 0  # the wheel tick released messages go into next
-        self._release_room = RELEASE_PER_TICK  # how many more it takes
+        self._release_used: dict[int, int] = {}  # wheel tick -> released messages put into it
+        self._ticks_after_prune = 0
 
     def __len__(self) -> int:
         return self.count
@@ -94,25 +94,30 @@ class Parking:
         self.count -= len(parked.values)
         delay_ms = _ms(RELEASE_BACKOFF_S[min(parked.streak, len(RELEASE_BACKOFF_S)) - 1]) if parked.streak else 0
         at_ms = now_ms + delay_ms
-        ticks = self._paced(parked.values, at_ms // TICK_MS)
+        ticks = self._paced(parked.values, at_ms // TICK_MS, now_ms // TICK_MS)
         self._forget_old_releases(now_ms)
         if ticks:  # behind other subjects' released messages, they may go later than `at_ms`
             at_ms = max(at_ms, ticks[0][0] * TICK_MS)
         self._released[subject] = Release(at_ms, max(at_ms, ticks[-1][0] * TICK_MS if ticks else 0), parked.streak)
         return ticks
 
-    def _paced(self, values: array, first_tick: int) -> list[tuple[int, array]]:
-        if first_tick > self._release_tick:
-            self._release_tick, self._release_room = first_tick, RELEASE_PER_TICK
+    def _paced(self, values: array, first_tick: int, now_tick: int) -> list[tuple[int, array]]:
+        """`values` spread from `first_tick` on over the ticks with room left (RELEASE_PER_TICK each,
+        all releases together): a release put off does not hold back the ones that are not."""
+        used = self._release_used
+        if len(used) > 2 * self._ticks_after_prune + 64:  # now and then: past ticks are done
+            self._release_used = used = {t: n for t, n in used.items() if t >= now_tick}
+            self._ticks_after_prune = len(used)
         ticks = []
-        start = 0
+        tick, start = first_tick, 0
         while start < len(values):
-            take = min(self._release_room, len(values) - start)
-            ticks.append((self._release_tick, values[start : start + take]))
-            start += take
-            self._release_room -= take
-            if self._release_room == 0:
-                self._release_tick, self._release_room = self._release_tick + 1, RELEASE_PER_TICK
+            room = RELEASE_PER_TICK - used.get(tick, 0)
+            if room > 0:
+                take = min(room, len(values) - start)
+                ticks.append((tick, values[start : start + take]))
+                used[tick] = used.get(tick, 0) + take
+                start += take
+            tick += 1
         return ticks
 
     def _forget_old_releases(self, now_ms: int) -> None:

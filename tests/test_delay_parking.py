@@ -110,6 +110,11 @@ def test_released_backlogs_go_back_a_bounded_number_per_tick_all_subjects_togeth
     assert [(t, len(v)) for t, v in second] == [(tick + 1, RELEASE_PER_TICK - 5), (tick + 2, 5)]
     assert [x for _, v in first for x in v] == list(range(RELEASE_PER_TICK + 5))
     assert parking.park("b", [9], now_ms=1200, sent_ms=1000) == 0  # begun before b's messages went: no verdict
+    parking.park("d", [7], now_ms=1000, sent_ms=1000)
+    parking.subjects["d"].streak = len(RELEASE_BACKOFF_S)  # d's releases keep coming too soon: put off 30 s
+    assert [t for t, _ in parking.release("d", now_ms=1000)] == [(1000 + 30_000) // TICK_MS]
+    parking.park("e", [8], now_ms=1000, sent_ms=1000)
+    assert [t for t, _ in parking.release("e", now_ms=1000)] == [tick + 2]  # not held back by d's
     parking.park("c", [1], now_ms=60_000, sent_ms=60_000)
     assert parking.release("c", now_ms=60_000) == [(60_000 // TICK_MS, array("q", [1]))]  # later: at once again
 
