@@ -30,7 +30,7 @@ from delay_server import metrics, snapshot
 from delay_server.cancels import Cancels
 from delay_server.clock import Clock
 from delay_server.schedule_log import CHECKPOINT_FILE, ScheduleLog
-from delay_server.scheduler import RETENTION_POLL_S, Scheduler, release_free_memory
+from delay_server.scheduler import DEFAULT_MAX_HELD, RETENTION_POLL_S, Scheduler, release_free_memory
 from delay_server.service import DelayService
 from delay_server.truncation import cut_back
 from qmq.client.aio import AsyncClient
@@ -55,6 +55,7 @@ class DelaySettings:
     load_ahead_s: float
     retention_s: float
     max_delay_s: float
+    max_held: int = DEFAULT_MAX_HELD
 
 
 class DelayDuty:
@@ -83,6 +84,7 @@ class DelayDuty:
             self.client,
             load_ahead_s=s.load_ahead_s,
             retention_s=s.retention_s,
+            max_held=s.max_held,
         )
         service = DelayService(store, schedule, cancels, scheduler, self.clock, max_delay_s=s.max_delay_s)
         scheduler.on_dispatched = service.note_dispatched

@@ -5,7 +5,10 @@
   names are left out, and the rest go into the wheel by tick. Messages scheduled into a bucket that
   is loaded (or loading) go straight into the wheel.
 - **Firing**: when a tick begins, its messages are read from the bucket (full copies) and held
-  until their due millisecond, then delivered; a message whose id was cancelled is dropped.
+  until their due millisecond, then delivered; a message whose id was cancelled is dropped. At most
+  `max_held` messages are read and not yet delivered at once: after an outage or a restart with a
+  backlog due, the rest wait in the wheel (8 bytes each) until deliveries make room, so memory and
+  the event loop's turns stay bounded however much came due.
 - **Delivering**: through `AsyncClient`, in batches, to a writable broker group of the subject (the
   client tries another group on failure); what a broker acknowledged is written to the dispatch
   log and noted in the message log (`on_dispatched`); what failed is tried again, forever: with its
@@ -24,6 +27,7 @@ import heapq
 import logging
 import os
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +60,9 @@ DEFAULT_LOAD_AHEAD_S = 30 * 60
 DEFAULT_RETENTION_S = 72 * 3600  # delivered buckets are kept this long after they end
 DELIVERY_BATCH = 1024  # messages in one AsyncClient.send call, at most
 DELIVERERS = 8  # send calls in flight at once; each takes whatever is due when it is free (batches grow with load)
+# Due messages read from their buckets and not yet delivered (held until their millisecond, waiting for
+# a deliverer, or being sent), at most; twice what the deliverers send at once.
+DEFAULT_MAX_HELD = 2 * DELIVERERS * DELIVERY_BATCH
 # after the n-th failed delivery of a message refused for itself (its subject's brokers took others); the last repeats
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 LOAD_POLL_S = 1.0  # how often the loader looks for buckets coming due
@@ -91,7 +98,10 @@ class Scheduler:
         *,
         load_ahead_s: float = DEFAULT_LOAD_AHEAD_S,
         retention_s: float = DEFAULT_RETENTION_S,
+        max_held: int = DEFAULT_MAX_HELD,
     ) -> None:
+        if max_held < 1:
+            raise ValueError("max_held must be at least 1")
         self.schedule = schedule
         self.dispatch_dir = dispatch_dir
         self.cancels = cancels
@@ -99,6 +109,8 @@ class Scheduler:
         self.client = client
         self.load_ahead_ms = int(load_ahead_s * 1000)
         self.retention_ms = int(retention_s * 1000)
+        self.max_held = max_held
+        self.held_peak = 0  # the most messages held at once (stats: the bound at work)
         self.wheel = Wheel()
         self.loaded: dict[int, LoadedBucket] = {}  # by bucket start
         self._by_slot: dict[int, LoadedBucket] = {}
@@ -121,10 +133,11 @@ class Scheduler:
         self.lateness = Histogram(LATENESS_BUCKETS_S)  # delivery time minus due time, seconds
         self._wake = asyncio.Event()
         self._loader_wake = asyncio.Event()
-        self._outbox: list[tuple[int, int, rec.Record]] = []  # due, waiting for a free deliverer
+        self._outbox: deque[tuple[int, int, rec.Record]] = deque()  # due, waiting for a free deliverer
         self._outbox_ready = asyncio.Event()
         self._deliverers: list[asyncio.Task[None]] = []
         self._delivering = 0  # deliverers busy sending
+        self._sending = 0  # messages those deliverers hold
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- start and stop ---------------------------------------------------------------------
@@ -266,21 +279,36 @@ class Scheduler:
 
     # ---- firing -------------------------------------------------------------------------------
 
+    @property
+    def held(self) -> int:
+        """Due messages read from their buckets and not yet delivered (at most `max_held`, but for
+        probes of parked subjects and messages back from a cancel being written)."""
+        return len(self._staged) + len(self._outbox) + self._sending
+
+    def due_waiting(self) -> int:
+        """Due messages still in the wheel: held back by `max_held` (or about to be read)."""
+        return self.wheel.due_count(self.clock.now_ms() // TICK_MS)
+
     async def _fire_loop(self) -> None:
         while True:
             self._wake.clear()
             now = self.clock.now_ms()
             for probe in self.parking.due_probes(now):
                 self._stage(probe)
-            for slot in self.wheel.take_due(now // TICK_MS):
-                self._stage(slot)
+            room = self.max_held - self.held
+            if room > 0:
+                for slot in self.wheel.take_due(now // TICK_MS, room):
+                    self._stage(slot)
+            self.held_peak = max(self.held_peak, self.held)
             due = []
             staged = self._staged
             while staged and staged[0][0] <= now:
                 due.append(heapq.heappop(staged))
             if due:
                 self._fire(due, now)
-            wake_at = [self.wheel.next_tick() * TICK_MS] if len(self.wheel) else []
+            wake_at = []
+            if len(self.wheel) and self.held < self.max_held:  # when full, a finished delivery wakes it
+                wake_at.append(self.wheel.next_tick() * TICK_MS)
             if staged:
                 wake_at.append(staged[0][0])
             if (probe_at := self.parking.next_probe_ms()) is not None:
@@ -326,15 +354,20 @@ class Scheduler:
     async def _deliver_loop(self) -> None:
         while True:
             await self._outbox_ready.wait()
-            items, self._outbox = self._outbox[:DELIVERY_BATCH], self._outbox[DELIVERY_BATCH:]
-            if not self._outbox:
+            outbox = self._outbox
+            items = [outbox.popleft() for _ in range(min(DELIVERY_BATCH, len(outbox)))]
+            if not outbox:
                 self._outbox_ready.clear()
             if items:
                 self._delivering += 1
+                self._sending += len(items)
                 try:
                     await self._deliver(items)
                 finally:
                     self._delivering -= 1
+                    self._sending -= len(items)
+                    if self.held + len(items) >= self.max_held:  # the fire loop may wait for room
+                        self._wake.set()
 
     async def _deliver(self, items: list[tuple[int, int, rec.Record]]) -> None:
         messages = [
@@ -454,7 +487,10 @@ class Scheduler:
             "loaded": sorted(lb.name for lb in self.loaded.values() if not lb.loading),
             "wheel": len(self.wheel),
             "wheel_bytes": self.wheel.nbytes(),
-            "held": len(self._staged),
+            "held": self.held,  # due, read from disk, not yet delivered
+            "max_held": self.max_held,
+            "held_peak": self.held_peak,
+            "due_waiting": self.due_waiting(),
             "parked": len(self.parking),  # waiting for a broker of their subject (parking.py)
             "parked_subjects": self.parking.stats(),  # the subjects with the most, and how many
             "cancels_kept": len(self.cancels),

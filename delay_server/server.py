@@ -22,7 +22,7 @@ from delay_server import metrics
 from delay_server.clock import Clock
 from delay_server.roles import DelayDuty, DelaySettings
 from delay_server.schedule_log import DEFAULT_BUCKET_MINUTES
-from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S
+from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_MAX_HELD, DEFAULT_RETENTION_S
 from delay_server.service import DEFAULT_MAX_DELAY_S
 from delay_server.snapshot import discard_interrupted
 from qmq import metrics as prometheus
@@ -76,6 +76,7 @@ async def serve_delay_server(
     bucket_minutes: int = DEFAULT_BUCKET_MINUTES,
     load_ahead_s: float = DEFAULT_LOAD_AHEAD_S,
     retention_s: float = DEFAULT_RETENTION_S,
+    max_held: int = DEFAULT_MAX_HELD,
     clock_file: str | Path | None = None,
     segment_bytes: int | None = None,
     log_retention_s: float = DEFAULT_LOG_RETENTION_S,
@@ -95,7 +96,7 @@ async def serve_delay_server(
         client = AsyncClient(
             meta=meta or None, brokers=list(brokers) or None, token=token, client_id=f"delay-server-{port}"
         )
-        settings = DelaySettings(bucket_minutes, load_ahead_s, retention_s, max_delay_s)
+        settings = DelaySettings(bucket_minutes, load_ahead_s, retention_s, max_delay_s, max_held)
         duty = DelayDuty(settings, clock, client)
         duty.on_open = lambda service: setattr(metrics.COLLECTOR, "scheduler", service.scheduler)
         server = Server(lambda request, peer: roles.handle(request, peer), host=host, port=port, token=token)

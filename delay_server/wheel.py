@@ -61,15 +61,30 @@ class Wheel:
     def next_tick(self) -> int | None:
         return self._ticks[0] if self._ticks else None
 
-    def take_due(self, now_tick: int) -> list[array]:
-        """Remove and return the slots of every tick up to and including `now_tick`."""
+    def take_due(self, now_tick: int, limit: int | None = None) -> list[array]:
+        """Remove and return the references of every tick up to and including `now_tick`, earliest
+        tick first; with `limit`, at most that many: the rest of a tick cut short stays in its slot
+        (which of a tick's references go first is not promised)."""
         out = []
         ticks = self._ticks
-        while ticks and ticks[0] <= now_tick:
-            slot = self._slots.pop(heapq.heappop(ticks))
+        room = limit
+        while ticks and ticks[0] <= now_tick and (room is None or room > 0):
+            slot = self._slots[ticks[0]]
+            if room is not None and len(slot) > room:
+                out.append(slot[-room:])  # from the end: no move of the rest
+                del slot[-room:]
+                self._count -= room
+                break
+            del self._slots[heapq.heappop(ticks)]
             self._count -= len(slot)
             out.append(slot)
+            if room is not None:
+                room -= len(slot)
         return out
+
+    def due_count(self, now_tick: int) -> int:
+        """References of the ticks up to and including `now_tick` (due, not taken yet)."""
+        return sum(len(slot) for tick, slot in self._slots.items() if tick <= now_tick)
 
     def nbytes(self) -> int:
         """Bytes held by the slots' buffers (what the wheel costs beyond its dict and heap)."""

@@ -218,6 +218,46 @@ def test_messages_due_during_a_broker_outage_go_within_a_probe_interval_of_its_e
     assert delay.stats()["parked"] == 0 and delay.stats()["parked_subjects"] == {}
 
 
+BACKLOG = 3000
+MAX_HELD = 300
+
+
+def test_a_backlog_due_at_once_is_read_from_disk_max_held_at_a_time(processes, tmp_path) -> None:
+    """3,000 messages due in a minute, then the server's clock moved two minutes on, as after an
+    outage or a restart with a backlog: all are due at once. Each is delivered once, and no more than
+    --max-held of them are read from disk and not yet delivered at any moment (before, all were read
+    at once: a million overdue messages held a gigabyte and the event loop for seconds)."""
+    clock_file = tmp_path / "clock-offset"
+    broker = start_broker(processes, tmp_path / "broker")
+    delay = start_delay_server(
+        processes,
+        tmp_path / "delay",
+        "--broker",
+        broker.address,
+        "--clock-file",
+        str(clock_file),
+        "--max-held",
+        str(MAX_HELD),
+    )
+    start = now_ms() + 60_000
+    messages = [OutgoingMessage("delay.backlog", f"n{i}", deliver_at=start + i * 10) for i in range(BACKLOG)]
+    with Client(brokers=[broker.address], delay_servers=[delay.address]) as client:
+        assert all(r.ok for r in client.send(messages))
+    wait_until(lambda: delay.stats()["wheel"] == BACKLOG, "every message in the wheel", 30)
+    clock_file.write_text("120")
+    consumer_client = Client(brokers=[broker.address])
+    arrivals = Arrivals(consumer_client, "delay.backlog")
+    try:
+        assert not arrivals.wait_for({m.id for m in messages}, 60)
+    finally:
+        arrivals.close()
+        consumer_client.close()
+    assert all(len(times) == 1 for times in arrivals.received.values())
+    stats = delay.stats()
+    assert stats["fired"] == BACKLOG and stats["held"] == stats["due_waiting"] == 0 and stats["max_held"] == MAX_HELD
+    assert MAX_HELD // 2 <= stats["held_peak"] <= MAX_HELD, stats["held_peak"]
+
+
 def test_broker_down_when_messages_come_due_then_metrics_and_sigterm(processes, tmp_path) -> None:
     broker = start_broker(processes, tmp_path / "broker")
     metrics_port = free_port()

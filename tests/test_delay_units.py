@@ -50,6 +50,19 @@ def test_wheel_gives_ticks_in_order_and_costs_eight_bytes_a_message() -> None:
     assert wheel.next_tick() is None and len(wheel) == 0
 
 
+def test_wheel_takes_at_most_a_limit_earliest_tick_first_leaving_the_rest_due() -> None:
+    wheel = Wheel()
+    wheel.add_many(tick_of(T0), [ref(1, i) for i in range(5)])
+    wheel.add_many(tick_of(T0) + 1, [ref(2, i) for i in range(5)])
+    wheel.add_many(tick_of(T0) + 9, [ref(3, 0)])  # not due
+    taken = wheel.take_due(tick_of(T0) + 1, 7)
+    assert [len(slot) for slot in taken] == [5, 2] and {split_ref(v)[0] for v in taken[1]} == {2}
+    assert len(wheel) == 4 and wheel.next_tick() == tick_of(T0) + 1 and wheel.due_count(tick_of(T0) + 1) == 3
+    rest = wheel.take_due(tick_of(T0) + 1, 100)
+    assert sorted(v for slot in taken[1:] + rest for v in slot) == [ref(2, i) for i in range(5)]
+    assert wheel.take_due(tick_of(T0) + 1, 100) == [] and len(wheel) == 1 and wheel.next_tick() == tick_of(T0) + 9
+
+
 def test_bucket_names() -> None:
     assert bucket_name(1_800_000_000_000) == "202701150800"  # UTC
     assert parse_bucket_name(bucket_name(T0)) == T0

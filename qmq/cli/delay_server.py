@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from delay_server.schedule_log import BUCKET_MINUTES, DEFAULT_BUCKET_MINUTES, ScheduleError
-from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_RETENTION_S
+from delay_server.scheduler import DEFAULT_LOAD_AHEAD_S, DEFAULT_MAX_HELD, DEFAULT_RETENTION_S
 from delay_server.server import DEFAULT_HOST, DEFAULT_LOG_RETENTION_S, DEFAULT_PORT, STORE_CONFIG, run
 from delay_server.service import DEFAULT_MAX_DELAY_S
 from qmq.cli.broker import (
@@ -54,6 +54,10 @@ GROUP_HELP = (
     "join this replicated group (needs --meta): the meta server makes one delay server of the group "
     "master, the others replicas of its log (docs/replication.md) [default: none, a delay server alone]"
 )
+MAX_HELD_HELP = (
+    "due messages read from disk and not yet delivered, at most; after an outage the rest of a backlog "
+    "waits in the wheel at 8 bytes a message"
+)
 CLOCK_FILE_HELP = "for tests: a file holding seconds to add to the clock, re-read when it changes"
 
 
@@ -77,6 +81,7 @@ CLOCK_FILE_HELP = "for tests: a file holding seconds to add to the clock, re-rea
 @tuning(
     "--load-ahead", click.FloatRange(min=1), DEFAULT_LOAD_AHEAD_S, LOAD_AHEAD_HELP, "load_ahead_s", metavar="SECONDS"
 )
+@tuning("--max-held", click.IntRange(min=1), DEFAULT_MAX_HELD, MAX_HELD_HELP, metavar="MESSAGES")
 @tuning("--retention", click.FloatRange(min=0), RETENTION_HOURS, "keep delivered buckets this long", metavar="HOURS")
 @tuning("--segment-mib", click.IntRange(1, MAX_SEGMENT_MIB), STORE_CONFIG.segment_bytes // MIB, SEGMENT_MIB_HELP)
 @tuning(
