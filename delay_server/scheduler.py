@@ -408,8 +408,8 @@ class Scheduler:
             if (ticks := self.parking.release(subject, now)) is not None:  # its brokers take messages again
                 for tick, values in ticks:
                     self.wheel.add_many(tick, values)
-                count = sum(len(values) for _, values in ticks)
-                log.info("a broker takes %s again: %d waiting messages released", subject, count)
+                if count := sum(len(values) for _, values in ticks):  # none: only its probes were out
+                    log.info("a broker takes %s again: %d waiting messages released", subject, count)
                 released = True
         for subject, values in unreachable.items():
             if subject in stored:  # others of it went: these failed on their own
