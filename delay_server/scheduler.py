@@ -7,8 +7,9 @@
 - **Firing**: when a tick begins, its messages are read from the bucket (full copies) and held
   until their due millisecond, then delivered; a message whose id was cancelled is dropped. At most
   `max_held` messages are read and not yet delivered at once: after an outage or a restart with a
-  backlog due, the rest wait in the wheel (8 bytes each) until deliveries make room, so memory and
-  the event loop's turns stay bounded however much came due.
+  backlog due, the rest wait in the wheel (8 bytes each) until deliveries make room, so the
+  messages in memory (a count, not bytes) and the event loop's turns stay bounded however much
+  came due.
 - **Delivering**: through `AsyncClient`, in batches, to a writable broker group of the subject (the
   client tries another group on failure); what a broker acknowledged is written to the dispatch
   log and noted in the message log (`on_dispatched`); what failed is tried again, forever: with its
@@ -111,6 +112,7 @@ class Scheduler:
         self.retention_ms = int(retention_s * 1000)
         self.max_held = max_held
         self.held_peak = 0  # the most messages held at once (stats: the bound at work)
+        self._fire_now_ms = 0  # the clock as the fire loop last read it
         self.wheel = Wheel()
         self.loaded: dict[int, LoadedBucket] = {}  # by bucket start
         self._by_slot: dict[int, LoadedBucket] = {}
@@ -282,17 +284,23 @@ class Scheduler:
     @property
     def held(self) -> int:
         """Due messages read from their buckets and not yet delivered (at most `max_held`, but for
-        probes of parked subjects and messages back from a cancel being written)."""
+        probes of parked subjects)."""
         return len(self._staged) + len(self._outbox) + self._sending
 
     def due_waiting(self) -> int:
-        """Due messages still in the wheel: held back by `max_held` (or about to be read)."""
+        """Due messages left in the wheel because `max_held` are held (0 while there is room: the
+        fire loop reads what is due at once). Scans the wheel's slots: for stats, not the loop."""
+        if self.held < self.max_held:
+            return 0
         return self.wheel.due_count(self.clock.now_ms() // TICK_MS)
 
     async def _fire_loop(self) -> None:
         while True:
             self._wake.clear()
             now = self.clock.now_ms()
+            if now < self._fire_now_ms:
+                self._unstage()  # the clock stepped back: what is held may not be due for a while
+            self._fire_now_ms = now
             for probe in self.parking.due_probes(now):
                 self._stage(probe)
             room = self.max_held - self.held
@@ -320,6 +328,13 @@ class Scheduler:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
+
+    def _unstage(self) -> None:
+        """Give the messages held until their millisecond back to the wheel (read again when due),
+        so that they do not fill `max_held` ahead of messages due sooner."""
+        for due_ms, value, _ in self._staged:
+            self.wheel.add(tick_of(due_ms), value)
+        self._staged = []
 
     def _stage(self, slot: array) -> None:
         """Read the messages of a tick that began; they wait in a heap for their due millisecond."""
@@ -363,6 +378,14 @@ class Scheduler:
                 self._sending += len(items)
                 try:
                     await self._deliver(items)
+                except Exception:  # keep the deliverer (8 dead ones would stop every delivery)
+                    # Not tried again here: part of the batch may be counted delivered already. What
+                    # the dispatch log does not name is delivered after a restart (recover()).
+                    log.exception(
+                        "delivery of %d messages failed unexpectedly; those not recorded as "
+                        "delivered go after a restart",
+                        len(items),
+                    )
                 finally:
                     self._delivering -= 1
                     self._sending -= len(items)

@@ -251,3 +251,44 @@ def test_a_bucket_still_loading_counts_its_scheduled_messages_as_pending(tmp_pat
         cancels.close()
 
     asyncio.run(scenario())
+
+
+def test_messages_held_for_their_millisecond_go_back_to_the_wheel_when_the_clock_steps_back(
+    processes, tmp_path
+) -> None:
+    """`max_held` messages read when their tick began, then the clock stepped back 20 s: they are not
+    due for 20 s more and must not fill the bound ahead of a message due in 1 s (a real broker)."""
+    from qmq.client.aio import AsyncClient
+    from tests.support.broker import start_broker
+
+    broker = start_broker(processes, tmp_path / "broker")
+    count = 20
+
+    async def run() -> float:
+        schedule, cancels, clock = ScheduleLog(tmp_path / "schedule", 60), Cancels(tmp_path / "cancels"), Clock()
+        real = clock.now_ms()
+        start = real - real % HOUR_MS + HOUR_MS
+        clock.offset_ms = start + 600_000 + 10 - real  # 10 ms into a tick
+        schedule.append(start, _items(list(range(count)), start + 600_400))  # late in that tick
+        async with AsyncClient(brokers=[broker.address]) as client:
+            scheduler = Scheduler(schedule, tmp_path / "dispatch", cancels, clock, client, max_held=count)
+            await scheduler.load_due()
+            scheduler.start()
+            try:
+                while scheduler.held < count:  # the tick began: all read, held for their millisecond
+                    await asyncio.sleep(0.01)
+                clock.offset_ms -= 20_000
+                begun = asyncio.get_running_loop().time()
+                due = clock.now_ms() + 1000
+                _, positions = schedule.append(start, _items([count], due - count))
+                scheduler.scheduled(start, [(positions[0], due)])
+                while scheduler.counters["fired"] == 0:
+                    await asyncio.sleep(0.01)
+                return asyncio.get_running_loop().time() - begun
+            finally:
+                await scheduler.close()
+                schedule.close()
+                cancels.close()
+
+    took = asyncio.run(run())
+    assert took < 5, f"the message due in 1 s went after {took:.1f} s"
