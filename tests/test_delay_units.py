@@ -268,23 +268,26 @@ def test_messages_held_for_their_millisecond_go_back_to_the_wheel_when_the_clock
         schedule, cancels, clock = ScheduleLog(tmp_path / "schedule", 60), Cancels(tmp_path / "cancels"), Clock()
         real = clock.now_ms()
         start = real - real % HOUR_MS + HOUR_MS
-        clock.offset_ms = start + 600_000 + 10 - real  # 10 ms into a tick
-        schedule.append(start, _items(list(range(count)), start + 600_400))  # late in that tick
+        clock.offset_ms = start + 600_000 + 5 - real  # 5 ms into a tick
+        schedule.append(start, _items(list(range(count)), start + 600_470))  # late in that tick
         async with AsyncClient(brokers=[broker.address]) as client:
             scheduler = Scheduler(schedule, tmp_path / "dispatch", cancels, clock, client, max_held=count)
             await scheduler.load_due()
             scheduler.start()
             try:
-                while scheduler.held < count:  # the tick began: all read, held for their millisecond
-                    await asyncio.sleep(0.01)
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10
+                while scheduler.held < count and not scheduler.counters["fired"] and loop.time() < deadline:
+                    await asyncio.sleep(0.005)  # the tick began: all read, held for their millisecond
+                assert scheduler.held == count and not scheduler.counters["fired"], "not held before due"
                 clock.offset_ms -= 20_000
-                begun = asyncio.get_running_loop().time()
+                begun = loop.time()
                 due = clock.now_ms() + 1000
                 _, positions = schedule.append(start, _items([count], due - count))
                 scheduler.scheduled(start, [(positions[0], due)])
-                while scheduler.counters["fired"] == 0:
+                while scheduler.counters["fired"] == 0 and loop.time() < begun + 30:
                     await asyncio.sleep(0.01)
-                return asyncio.get_running_loop().time() - begun
+                return loop.time() - begun
             finally:
                 await scheduler.close()
                 schedule.close()
