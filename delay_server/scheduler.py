@@ -386,6 +386,7 @@ class Scheduler:
                         "delivered go after a restart",
                         len(items),
                     )
+                    self._wake.set()  # it may have put messages back in the wheel before it failed
                 finally:
                     self._delivering -= 1
                     self._sending -= len(items)
