@@ -15,10 +15,18 @@ from datetime import datetime
 from typing import Any
 
 from qmq.client.errors import ClientError, InvalidMessage
+from qmq.compiled import load
 from qmq.ids import new_id
 from qmq.protocol import envelope
 from qmq.protocol.errors import ProtocolError
-from qmq.protocol.limits import DEFAULT_LIMITS, MAX_KEY_LEN, ONCE_FIELD, validate_sent_message, validate_subject
+from qmq.protocol.limits import (
+    DEFAULT_LIMITS,
+    MAX_KEY_LEN,
+    MAX_MESSAGE_ID_LEN,
+    ONCE_FIELD,
+    validate_sent_message,
+    validate_subject,
+)
 from qmq.protocol.ordering import ORDER_KEY_HEADER, queue_of, queue_subject
 
 
@@ -28,6 +36,13 @@ def now_ms() -> int:
 
 # Where `check_message` leaves a message's checked wire form, for its `to_wire` to hand out again.
 CHECKED_WIRE = "_checked_wire"
+
+# `to_wire` of the common message, compiled (qmq/client/_wire.pyx); None: the Python path for all.
+compiled = load("qmq.client._wire")
+# Subjects found valid by a `to_wire` given no set of its own (an outbox checks one message at a
+# time): the compiled path takes only subjects already checked. Forgotten when it grows this large.
+CHECKED_SUBJECTS_KEPT = 4096
+_checked_subjects: set[str] = set()
 
 
 # A frozen dataclass's generated __init__ sets each field through object.__setattr__; the classes
@@ -101,9 +116,20 @@ class OutgoingMessage:
         wrapped in the envelope, checked as a broker checks it (see `check_message`); an empty key
         and empty tags are left out (`wire`).
         `known_subjects`: subjects already found valid, to skip."""
-        checked = self.__dict__.get(CHECKED_WIRE)
+        fields = self.__dict__
+        checked = fields.get(CHECKED_WIRE)
         if checked is not None:  # `check_message` built it already (an outbox's after-commit send)
             return dict(checked)
+        if known_subjects is None:
+            if len(_checked_subjects) >= CHECKED_SUBJECTS_KEPT:
+                _checked_subjects.clear()
+            known_subjects = _checked_subjects
+        if compiled is not None:
+            fast = compiled.plain_wire(
+                fields, known_subjects, DEFAULT_LIMITS.max_message_bytes, MAX_MESSAGE_ID_LEN, MAX_KEY_LEN
+            )
+            if fast is not None:
+                return fast
         headers = dict(self.headers) if self.headers else None
         subject = self.subject
         if self.order_key is not None:
