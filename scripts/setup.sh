@@ -59,7 +59,7 @@ if ! "$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.jo
     apt_install python3-dev || say "no Python headers: the store's loops will run in pure Python"
 fi
 STAMP="$VENV/.qmq-installed"
-WANT=$(cat pyproject.toml setup.py qmq/store/_speedups.pyx qmq/_ids.pyx qmq/client/_wire.pyx | sha1sum | cut -d' ' -f1)
+WANT=$(cat pyproject.toml setup.py qmq/store/_speedups.pyx qmq/_ids.pyx qmq/client/_wire.pyx qmq/broker/_sending.pyx | sha1sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     say "installing qmq with test extras into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null

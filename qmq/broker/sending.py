@@ -11,13 +11,16 @@ from typing import Any
 from qmq.broker import metrics
 from qmq.broker.core import BrokerCore
 from qmq.broker.dedupe import ONCE_FIELD, already_stored
+from qmq.compiled import load
 from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from qmq.protocol.fields import field
-from qmq.protocol.limits import validate_sent_message
+from qmq.protocol.limits import MAX_KEY_LEN, MAX_MESSAGE_ID_LEN, validate_sent_message
 from qmq.store.group_commit import GroupCommit
 from qmq.store.store import Message
 
 _new_tuple = tuple.__new__
+# The check of the common request, compiled (qmq/broker/_sending.pyx); None: the loop below for all.
+compiled = load("qmq.broker._sending")
 
 
 class Sending:
@@ -33,8 +36,29 @@ class Sending:
         messages = field(body, "messages", list)
         if self.core.read_only:
             raise RemoteError(ErrorCode.READ_ONLY, f"broker group {self.core.group_name} is read-only: send elsewhere")
-        batch: list[Message] = []
         rejected: list[list[Any]] = []
+        repeated = 0
+        limits = self.core.limits
+        batch: list[Message] | None = None
+        if compiled is not None:
+            batch = compiled.plain_batch(
+                messages, self._valid_subjects, limits.max_message_bytes, MAX_MESSAGE_ID_LEN, MAX_KEY_LEN, Message
+            )
+        if batch is None:
+            batch, repeated = self._check(messages, rejected)
+        if batch:
+            appended = await self.group_commit.write(batch)
+            await self.core.replicated(appended[-1].end)  # a replicated group: enough replicas have it
+            if len(batch) == 1:
+                metrics.STORED.by_subject[batch[0].subject] += 1
+            else:
+                metrics.STORED.by_subject.update(m.subject for m in batch)
+        return {"stored": len(batch) + repeated, "rejected": rejected}
+
+    def _check(self, messages: list[Any], rejected: list[list[Any]]) -> tuple[list[Message], int]:
+        """Each message checked on its own: the store's messages, and how many were stored already
+        (`once`); the bad ones are added to `rejected`."""
+        batch: list[Message] = []
         repeated = 0
         for index, item in enumerate(messages):
             try:
@@ -46,11 +70,4 @@ class Sending:
                 repeated += 1
                 continue
             batch.append(_new_tuple(Message, (m.subject, m.id, m.payload, m.key, m.tags, 0)))  # Message(...), faster
-        if batch:
-            appended = await self.group_commit.write(batch)
-            await self.core.replicated(appended[-1].end)  # a replicated group: enough replicas have it
-            if len(batch) == 1:
-                metrics.STORED.by_subject[batch[0].subject] += 1
-            else:
-                metrics.STORED.by_subject.update(m.subject for m in batch)
-        return {"stored": len(batch) + repeated, "rejected": rejected}
+        return batch, repeated
