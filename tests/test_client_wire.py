@@ -110,6 +110,39 @@ def test_the_rest_is_left_to_the_python_path(message: OutgoingMessage) -> None:
     assert compiled_wire(message) is None
 
 
+class LooksEmpty:
+    """Equal to "" and yet true: the compiled path must look at a key's type before comparing it."""
+
+    def __eq__(self, other: object) -> bool:
+        return other == ""
+
+    def __ne__(self, other: object) -> bool:
+        return other != ""
+
+    __hash__ = object.__hash__
+
+
+class Shouting(OutgoingMessage):
+    """A subclass that computes a field: to_wire must read the attribute, as the Python path does."""
+
+    @property
+    def body(self) -> bytes:  # type: ignore[override]
+        return self.__dict__["body"].upper()
+
+
+class SubjectSet(set):
+    pass
+
+
+def test_keys_subclasses_and_sets_the_compiled_path_must_not_take() -> None:
+    with pytest.raises(InvalidMessage) as raised:
+        OutgoingMessage(SUBJECT, b"x", key=LooksEmpty()).to_wire({SUBJECT})  # type: ignore[arg-type]
+    assert raised.value.code == ErrorCode.BAD_REQUEST
+    assert envelope.decode(Shouting(SUBJECT, b"abc").to_wire({SUBJECT})["payload"]).body == b"ABC"
+    wire = OutgoingMessage(SUBJECT, b"x").to_wire(SubjectSet({SUBJECT}))
+    assert envelope.decode(wire["payload"]).body == b"x"
+
+
 def test_what_a_broker_refuses_is_still_refused_with_its_code() -> None:
     too_large = OutgoingMessage(SUBJECT, b"x" * DEFAULT_LIMITS.max_message_bytes)
     with pytest.raises(InvalidMessage) as raised:

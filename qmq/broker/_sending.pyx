@@ -18,7 +18,7 @@ cdef inline object _get(dict item, str name):
     return None if value is NULL else <object>value
 
 
-def plain_batch(list items, set known_subjects, Py_ssize_t max_payload, Py_ssize_t max_id_len,
+def plain_batch(list items not None, set known_subjects not None, Py_ssize_t max_payload, Py_ssize_t max_id_len,
                 Py_ssize_t max_key_len, message_type):
     """`[message_type(subject, id, payload, key or None, (), 0), ...]` for `items`, or None."""
     cdef list batch = []

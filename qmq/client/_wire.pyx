@@ -99,7 +99,7 @@ cdef inline object _get(dict fields, str name):
     return None if value is NULL else <object>value
 
 
-def plain_wire(dict fields, set known_subjects, Py_ssize_t max_payload, Py_ssize_t max_id_len,
+def plain_wire(dict fields not None, set known_subjects not None, Py_ssize_t max_payload, Py_ssize_t max_id_len,
                Py_ssize_t max_key_len):
     """The wire map of the message whose fields are `fields` (an `OutgoingMessage`'s instance dict),
     or None when it is not of the kind described above or the broker would refuse it."""
@@ -124,8 +124,8 @@ def plain_wire(dict fields, set known_subjects, Py_ssize_t max_payload, Py_ssize
         PyUnicode_AsUTF8AndSize(message_id, &n)
         if not 0 < n <= max_id_len:
             return None
-        if key is not None and key != "":
-            if type(key) is not str:
+        if key is not None:
+            if type(key) is not str:  # the type first: a comparison could run a user's code
                 return None
             PyUnicode_AsUTF8AndSize(key, &n)
             if n > max_key_len:

@@ -124,7 +124,8 @@ class OutgoingMessage:
             if len(_checked_subjects) >= CHECKED_SUBJECTS_KEPT:
                 _checked_subjects.clear()
             known_subjects = _checked_subjects
-        if compiled is not None:
+        # Only for this class itself (a subclass may compute a field) and a plain set of subjects.
+        if compiled is not None and type(self) is OutgoingMessage and type(known_subjects) is set:
             fast = compiled.plain_wire(
                 fields, known_subjects, DEFAULT_LIMITS.max_message_bytes, MAX_MESSAGE_ID_LEN, MAX_KEY_LEN
             )
