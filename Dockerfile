@@ -6,7 +6,7 @@
 # (scripts/docker-base.sh) and pass it: tests/compose/docker-compose.local.yml.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-# qmq's wheel with the log store's compiled loops (setup.py, qmq/store/_speedups.pyx), built in a
+# qmq's wheel with its compiled parts (setup.py: the log store's loops, ids, the send path), built in a
 # stage of its own so that the image carries no compiler.
 FROM ${BASE_IMAGE} AS wheel
 RUN apt-get update \
@@ -47,7 +47,7 @@ RUN mkdir -p qmq worker delay_server spark_etl migrations \
  && pip uninstall -y qmq && rm -rf qmq worker delay_server spark_etl migrations build
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir --no-deps /wheels/qmq-*.whl && rm -rf /wheels \
- && python -c 'from qmq import ids; from qmq.store import speedups; assert speedups.COMPILED and ids.compiled, speedups.describe()'
+ && python -c 'from qmq import ids; from qmq.broker import sending; from qmq.client import messages; from qmq.store import speedups; assert speedups.COMPILED and ids.compiled and sending.compiled and messages.compiled, speedups.describe()'
 
 # Servers bind 127.0.0.1 by default; docker-compose.yml passes --host 0.0.0.0.
 ENTRYPOINT ["qmq"]
