@@ -34,35 +34,32 @@ cdef inline uint8_t* _put_be(uint8_t* out, uint64_t value, int width) noexcept:
     return out + width
 
 
-cdef inline uint8_t* _put_str(uint8_t* out, const char* data, Py_ssize_t n) noexcept:
-    if n < 32:
-        out[0] = 0xA0 | <uint8_t>n
-        out += 1
-    elif n < 256:
-        out[0] = 0xD9
+cdef inline uint8_t* _put_sized(uint8_t* out, const char* data, Py_ssize_t n, uint8_t code8, uint8_t code16,
+                               uint8_t code32) noexcept:
+    """A msgpack str or bin of 8-, 16- or 32-bit length (the codes of its kind), then its bytes."""
+    if n < 256:
+        out[0] = code8
         out = _put_be(out + 1, n, 1)
     elif n < 65536:
-        out[0] = 0xDA
+        out[0] = code16
         out = _put_be(out + 1, n, 2)
     else:
-        out[0] = 0xDB
+        out[0] = code32
         out = _put_be(out + 1, n, 4)
     memcpy(out, data, n)
     return out + n
+
+
+cdef inline uint8_t* _put_str(uint8_t* out, const char* data, Py_ssize_t n) noexcept:
+    if n >= 32:
+        return _put_sized(out, data, n, 0xD9, 0xDA, 0xDB)
+    out[0] = 0xA0 | <uint8_t>n  # fixstr
+    memcpy(out + 1, data, n)
+    return out + 1 + n
 
 
 cdef inline uint8_t* _put_bin(uint8_t* out, const char* data, Py_ssize_t n) noexcept:
-    if n < 256:
-        out[0] = 0xC4
-        out = _put_be(out + 1, n, 1)
-    elif n < 65536:
-        out[0] = 0xC5
-        out = _put_be(out + 1, n, 2)
-    else:
-        out[0] = 0xC6
-        out = _put_be(out + 1, n, 4)
-    memcpy(out, data, n)
-    return out + n
+    return _put_sized(out, data, n, 0xC4, 0xC5, 0xC6)
 
 
 cdef inline Py_ssize_t _uint_size(uint64_t value) noexcept:
