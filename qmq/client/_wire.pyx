@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """`OutgoingMessage.to_wire` compiled for the messages most sends carry (qmq/client/messages.py):
 a bytes body, or bytes of a given content type (an outbox row); no order key; str headers or none;
-no tags; a subject already found valid in this send. `plain_wire` builds the same envelope bytes as
-`qmq.protocol.envelope.encode` (msgpack, byte for byte) and the same wire map, and accepts only what
+no tags; a subject already found valid in this process. `plain_wire` builds the same envelope bytes
+as `qmq.protocol.envelope.encode` (msgpack, byte for byte) and the same wire map, and accepts only what
 the broker's check (`validate_sent_message`) would accept. Anything else, including anything it
 would refuse, is answered None: the Python path then builds the message, and raises the error a
 broker would answer. A client makes one per message sent: this is most of its own time per message.

@@ -39,8 +39,9 @@ CHECKED_WIRE = "_checked_wire"
 
 # `to_wire` of the common message, compiled (qmq/client/_wire.pyx); None: the Python path for all.
 compiled = load("qmq.client._wire")
-# Subjects found valid by a `to_wire` given no set of its own (an outbox checks one message at a
-# time): the compiled path takes only subjects already checked. Forgotten when it grows this large.
+# Subjects found valid by a `to_wire` given no set of its own (every send, and an outbox's check), so
+# that each is checked once per process: the compiled path takes only subjects already checked.
+# Forgotten when it grows this large.
 CHECKED_SUBJECTS_KEPT = 4096
 _checked_subjects: set[str] = set()
 

@@ -151,12 +151,11 @@ class SendJob:
         self.delayed: list[bool] = []  # goes to a delay server (deliver_at in the future)
         self._unsettled = 0  # messages without a result yet
         now = now_ms()
-        known_subjects: set[str] = set()  # checked once per call
         for message in self.messages:
             deliver_at = getattr(message, "deliver_at", None)
             self.delayed.append(deliver_at is not None and deliver_at > now)
             try:
-                self.wires.append(message.to_wire(known_subjects))
+                self.wires.append(message.to_wire())  # subjects checked once per process (messages.py)
                 if self.delayed[-1]:
                     self.wires[-1]["deliver_at"] = deliver_at
                 self._results.append(None)
