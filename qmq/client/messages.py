@@ -116,7 +116,8 @@ class OutgoingMessage:
         """`{"id", "subject", "payload", "key", "tags"}` as BROKER_SEND carries the message, its body
         wrapped in the envelope, checked as a broker checks it (see `check_message`); an empty key
         and empty tags are left out (`wire`).
-        `known_subjects`: subjects already found valid, to skip."""
+        `known_subjects`: subjects already found valid, to skip (found valid here, they are added);
+        None: this process's own set (`_checked_subjects`)."""
         fields = self.__dict__
         checked = fields.get(CHECKED_WIRE)
         if checked is not None:  # `check_message` built it already (an outbox's after-commit send)
