@@ -111,7 +111,7 @@ def plain_wire(dict fields not None, set known_subjects not None, Py_ssize_t max
     cdef object content_type = _get(fields, "content_type")
     cdef object created_at = _get(fields, "created_at")
     cdef object headers = _get(fields, "headers")
-    cdef Py_ssize_t n, ct_len, body_len, size, header_count = 0, i
+    cdef Py_ssize_t n, ct_len, body_len, size, header_count = 0
     cdef const char* ct_data
     cdef const char* text
     cdef uint64_t created
@@ -136,13 +136,14 @@ def plain_wire(dict fields not None, set known_subjects not None, Py_ssize_t max
         content_type = BYTES_TYPE
     elif type(content_type) is not str:
         return None
-    pairs = []
+    cdef list pairs = None  # the headers' (name, value), made only for a message that has some
     if headers is not None:
         if type(headers) is not dict:
             return None
         header_count = PyDict_Size(headers)
         if header_count >= 16:
             return None
+        pairs = []
         for name, value in (<dict>headers).items():
             if type(name) is not str or type(value) is not str:
                 return None
