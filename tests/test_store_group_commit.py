@@ -52,3 +52,19 @@ def test_an_error_in_on_durable_fails_the_writes_of_its_group(tmp_path) -> None:
                 await commit.write([Message("orders", "m", b"x")])
 
     asyncio.run(scenario())
+
+
+def test_the_flush_is_asked_for_with_the_append_and_close_waits_for_the_writes(tmp_path) -> None:
+    """The append's own loop step asks for its fsync (a later step would leave the flusher idle
+    meanwhile); `close` returns only once every write appended so far is settled."""
+
+    async def scenario() -> None:
+        with LogStore(tmp_path / "store", SMALL) as store:
+            commit = GroupCommit(store)
+            write = commit.write([Message("orders", "m1", b"x")])
+            await asyncio.sleep(0)  # one loop step: the append
+            assert store.end_offset > 0 and store.flusher.requested_offset == store.end_offset
+            await commit.close()
+            assert write.done() and write.result()[0].end <= store.durable_offset
+
+    asyncio.run(scenario())

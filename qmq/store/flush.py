@@ -136,18 +136,10 @@ class Flusher:
         covers it. For what nobody waits on in the hot path (acks), so that it adds no fsync in
         series before a send's."""
         self.check()
-        if offset <= self.durable_offset:
-            return
         loop = asyncio.get_running_loop()
-        waiters = self._loops.get(loop)
+        waiters = self._waiters(loop, offset)
         if waiters is None:
-            with self._cond:
-                waiters = self._loops.setdefault(loop, _LoopWaiters(loop))
-            # A round that ended before this loop was registered woke nobody here: look again. One
-            # that ends from now on wakes this loop, and its settle runs after the `add` below.
-            self.check()
-            if offset <= self.durable_offset:
-                return
+            return
         future = loop.create_future()
         waiters.add(offset, future)
         if linger_s <= 0:
@@ -159,6 +151,37 @@ class Flusher:
             await future
         finally:
             later.cancel()
+
+    def when_durable(self, offset: int, callback: Callable[[FlushFailed | None], None]) -> None:
+        """Run `callback(None)` on the running loop once everything before `offset` is durable, or
+        `callback(error)` once a flush failed; the flush is asked for at once. For a caller that
+        settles many waiters itself (group commit): called from the loop's wake-up, one step sooner
+        than a task awaiting `durable`."""
+        loop = asyncio.get_running_loop()
+        if self.error is not None:
+            loop.call_soon(callback, FlushFailed(f"an earlier flush failed, the store is read-only: {self.error}"))
+            return
+        waiters = self._waiters(loop, offset)
+        if waiters is None:
+            loop.call_soon(callback, None)
+            return
+        waiters.add(offset, callback)
+        self.request(offset)
+
+    def _waiters(self, loop: asyncio.AbstractEventLoop, offset: int) -> _LoopWaiters | None:
+        """The waiters of `loop`, registered on first use; None when `offset` is durable already."""
+        if offset <= self.durable_offset:
+            return None
+        waiters = self._loops.get(loop)
+        if waiters is None:
+            with self._cond:
+                waiters = self._loops.setdefault(loop, _LoopWaiters(loop))
+            # A round that ended before this loop was registered woke nobody here: look again. One
+            # that ends from now on wakes this loop, and its settle runs after the `add` that follows.
+            self.check()
+            if offset <= self.durable_offset:
+                return None
+        return waiters
 
     def _run(self) -> None:
         last_sync = 0.0
@@ -253,16 +276,19 @@ class Flusher:
         self._thread.join()
 
 
+Waiter = asyncio.Future | Callable[[FlushFailed | None], None]  # `durable`'s future, `when_durable`'s callback
+
+
 class _LoopWaiters:
-    """Futures of one event loop waiting for durability, smallest offset first."""
+    """What one event loop waits on for durability (futures, callbacks), smallest offset first."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.pending: list[tuple[int, int, asyncio.Future]] = []  # a heap
+        self.pending: list[tuple[int, int, Waiter]] = []  # a heap
         self._count = itertools.count()
 
-    def add(self, offset: int, future: asyncio.Future) -> None:
-        heapq.heappush(self.pending, (offset, next(self._count), future))
+    def add(self, offset: int, waiter: Waiter) -> None:
+        heapq.heappush(self.pending, (offset, next(self._count), waiter))
 
     def wake(self, durable: int, error: BaseException | None) -> None:
         """Called on the flusher thread after each round."""
@@ -272,10 +298,16 @@ class _LoopWaiters:
     def settle(self, durable: int, error: BaseException | None) -> None:
         pending = self.pending
         while pending and (error is not None or pending[0][0] <= durable):
-            future = heapq.heappop(pending)[2]
-            if future.done():
+            waiter = heapq.heappop(pending)[2]
+            failed = None if error is None else FlushFailed(f"flush failed: {error}")
+            if not isinstance(waiter, asyncio.Future):
+                try:
+                    waiter(failed)
+                except Exception:  # one waiter's bug must not strand the others
+                    log.exception("a durability callback failed")
+            elif waiter.done():
                 continue
-            if error is None:
-                future.set_result(None)
+            elif failed is None:
+                waiter.set_result(None)
             else:
-                future.set_exception(FlushFailed(f"flush failed: {error}"))
+                waiter.set_exception(failed)

@@ -13,6 +13,7 @@ Layout of a data directory (docs/formats.md):
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
@@ -590,6 +591,14 @@ class LogStore:
         another writer's fsync cover it if one starts within that long (`Flusher.durable`)."""
         if self.config.flush is FlushMode.SYNC:
             await self.flusher.durable(offset, linger_s=linger_s)
+
+    def when_durable(self, offset: int, callback: Callable[[BaseException | None], None]) -> None:
+        """`durable` for a caller that settles its own waiters: `callback(error or None)` runs on
+        the running loop once an acknowledgement may go out for everything before `offset`."""
+        if self.config.flush is FlushMode.SYNC:
+            self.flusher.when_durable(offset, callback)
+        else:
+            asyncio.get_running_loop().call_soon(callback, None)
 
     async def flushed(self, offset: int) -> None:
         """Await the fsync of everything before `offset`, whatever the flush mode: for state saved
