@@ -54,23 +54,32 @@ def test_an_error_in_on_durable_fails_the_writes_of_its_group(tmp_path) -> None:
     asyncio.run(scenario())
 
 
-def test_what_the_append_made_ready_shares_its_fsync_and_close_waits_for_the_writes(tmp_path) -> None:
-    """The steps `on_appended` makes ready (a woken pull journalling its take) append before the
-    flush is asked for, so one fsync covers the write and them; `close` returns only once every
+def test_the_flush_is_asked_for_with_the_append_or_after_what_it_made_ready(tmp_path) -> None:
+    """Alone, a write's flush is asked for in its append's own loop step. When `on_appended` says it
+    made steps ready that will append (a woken pull journalling its take), they append before the
+    flush is asked for, so one fsync covers the write and them. `close` returns only once every
     write appended so far is settled."""
 
     async def scenario() -> None:
         with LogStore(tmp_path / "store", SMALL) as store:
+            alone = GroupCommit(store)
+            write = alone.write([Message("orders", "m1", b"x")])
+            await asyncio.sleep(0)  # one loop step: the append
+            assert store.end_offset > 0 and store.flusher.requested_offset == store.end_offset
+            await alone.close()
+            assert write.done() and write.result()[0].end <= store.durable_offset
+
             loop = asyncio.get_running_loop()
             journalled: list[int] = []
 
-            def woken(messages: list[Message]) -> None:
+            def woken(messages: list[Message]) -> bool:
                 journal = lambda: journalled.append(store.append([Message("journal", "j1", b"j")])[0].end)  # noqa: E731
                 loop.call_soon(journal)
+                return True  # a step that will append is ready
 
             commit = GroupCommit(store, on_appended=woken)
             syncs = store.flusher.syncs
-            write = commit.write([Message("orders", "m1", b"x")])
+            write = commit.write([Message("orders", "m2", b"x")])
             await asyncio.sleep(0)  # one loop step: the append
             await commit.close()
             assert write.done() and write.result()[0].end <= store.durable_offset

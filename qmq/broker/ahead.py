@@ -85,11 +85,14 @@ class ServeAhead:
         self.reserved_end = max(self.reserved_end, end)
         self.core.store.flusher.request(end)
 
-    def stored(self, subjects: set[str]) -> None:
+    def stored(self, subjects: set[str]) -> bool:
         """Messages of `subjects` (base subjects) were stored and the pulls waiting for them woken:
-        once those pulls have taken theirs (they run first, being woken first), reserve the rest."""
+        once those pulls have taken theirs (they run first, being woken first), reserve the rest.
+        True when a reservation is to come (it journals)."""
         if any(pull.subject in subjects for pull, _, _ in self.away.values()):
             asyncio.get_running_loop().call_soon(self._reserve, subjects)
+            return True
+        return False
 
     def _reserve(self, subjects: set[str]) -> None:
         now = asyncio.get_running_loop().time()

@@ -55,7 +55,8 @@ class BrokerCore:
         self.retries_changed = asyncio.Event()  # a retry was scheduled: the retry loop looks again
         self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)  # subject -> waiting pulls
         # told the base subjects of new messages once their waiting pulls are woken (ahead.py)
-        self.stored_listeners: list[Callable[[set[str]], None]] = []
+        # told the base subjects of what was stored; true when it made a step ready that will journal
+        self.stored_listeners: list[Callable[[set[str]], bool]] = []
 
     # ---- the journal ----------------------------------------------------------------------------
 
@@ -94,15 +95,20 @@ class BrokerCore:
         finally:
             self._waiters.get(subject, set()).discard(future)
 
-    def wake(self, subjects: Iterable[str]) -> None:
-        """Messages of `subjects` were stored: wake the pulls waiting for them."""
+    def wake(self, subjects: Iterable[str]) -> bool:
+        """Messages of `subjects` were stored: wake the pulls waiting for them. True when that made
+        steps ready that will journal (a woken pull's take, a listener's), for the group commit to
+        ask for the flush after them."""
         bases = {base_subject(stored) for stored in subjects}  # a queue's messages wake its subject's ordered pulls
+        woke = False
         for subject in bases:
             for future in self._waiters.pop(subject, ()):
                 if not future.done():
                     future.set_result(None)
+                    woke = True
         for listener in self.stored_listeners:
-            listener(bases)
+            woke = listener(bases) or woke
+        return woke
 
     # ---- reading --------------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ the writes came; `write` returns their positions only once they are durable (per
 mode); `on_appended` runs right after each append with the messages appended, `on_durable` once
 they are durable with where they went, group after group in message-log order, before the writes
 return (an error it raises fails them). A store that cannot append or make durable fails every
-write of the group with its error (`StoreError`, `FlushFailed`).
+write of the group with its error (`StoreError`, `FlushFailed`). The flush is asked for in the
+append's own loop step, or, when `on_appended` returns true (it made steps ready that will append
+too: the journal entries of the pulls it woke), in the next one, after them: one fsync covers all.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class GroupCommit:
         self,
         store: LogStore,
         *,
-        on_appended: Callable[[list[Message]], None] | None = None,
+        on_appended: Callable[[list[Message]], bool | None] | None = None,
         on_durable: Callable[[Written], None] | None = None,
     ) -> None:
         self.store = store
@@ -90,14 +92,15 @@ class GroupCommit:
             written.append(list(zip(appended[i : i + len(batch)], batch, strict=True)))
             i += len(batch)
         self._groups.append(_Group(appended[0].offset, appended[-1].end, written, [f for _, f in waiting]))
-        if self.on_appended is not None:
-            self.on_appended(messages)
-        # The flush is asked for in the next loop step, after the steps `on_appended` made ready (the
-        # pulls it woke journal their takes, ahead.py its reservations): one fsync covers them all.
-        # The writes are settled right from the loop's wake-up after it, not from a task's step.
+        more_to_come = self.on_appended(messages) if self.on_appended is not None else False
+        # The writes are settled right from the loop's wake-up after the fsync, not from a task's step.
         self._unsettled += 1
         end = appended[-1].end
-        asyncio.get_running_loop().call_soon(self.store.when_durable, end, lambda error: self._settle(end, error))
+        settle = lambda error: self._settle(end, error)  # noqa: E731
+        if more_to_come:  # after the steps `on_appended` made ready: their entries share the fsync
+            asyncio.get_running_loop().call_soon(self.store.when_durable, end, settle)
+        else:
+            self.store.when_durable(end, settle)
 
     def _settle(self, end: int, error: BaseException | None) -> None:
         """Everything up to `end` is durable (or `error`): settle every group before it, oldest first."""
