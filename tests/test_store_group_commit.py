@@ -87,3 +87,29 @@ def test_the_flush_is_asked_for_with_the_append_or_after_what_it_made_ready(tmp_
             assert store.flusher.syncs == syncs + 1
 
     asyncio.run(scenario())
+
+
+def test_a_cancelled_close_leaves_the_other_closers_waiting_and_a_raising_hook_loses_nothing(tmp_path) -> None:
+    """Closers share what they wait on: one cancelled must not cancel the others, nor a later
+    `close`. An `on_appended` that raises does not leave its writes unsettled: they are stored,
+    and are answered once durable."""
+
+    async def scenario() -> None:
+        with LogStore(tmp_path / "store", SMALL) as store:
+
+            def broken(messages: list[Message]) -> bool:
+                raise RuntimeError("a listener's bug")
+
+            commit = GroupCommit(store, on_appended=broken)
+            write = commit.write([Message("orders", "m1", b"x")])
+            await asyncio.sleep(0)  # one loop step: the append
+            first = asyncio.ensure_future(commit.close())
+            second = asyncio.ensure_future(commit.close())
+            await asyncio.sleep(0)  # both wait now
+            first.cancel()
+            await second  # not cancelled by the first
+            assert first.cancelled()
+            assert write.done() and write.result()[0].end <= store.durable_offset
+            await commit.close()  # nothing left: returns at once
+
+    asyncio.run(scenario())

@@ -161,7 +161,11 @@ class Flusher:
         if self.error is not None:
             loop.call_soon(callback, FlushFailed(f"an earlier flush failed, the store is read-only: {self.error}"))
             return
-        waiters = self._waiters(loop, offset)
+        try:
+            waiters = self._waiters(loop, offset)
+        except FlushFailed as exc:  # a round failed while this loop registered
+            loop.call_soon(callback, exc)
+            return
         if waiters is None:
             loop.call_soon(callback, None)
             return
@@ -303,7 +307,7 @@ class _LoopWaiters:
             if not isinstance(waiter, asyncio.Future):
                 try:
                     waiter(failed)
-                except Exception:  # one waiter's bug must not strand the others
+                except BaseException:  # one waiter's bug must not strand the others
                     log.exception("a durability callback failed")
             elif waiter.done():
                 continue

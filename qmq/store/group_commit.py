@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from qmq.store.store import Appended, LogStore, Message
+
+log = logging.getLogger("qmq.store")
 
 Written = list[tuple[Appended, Message]]  # where each message went, in log order
 
@@ -75,8 +78,9 @@ class GroupCommit:
         """Wait for the writes appended so far to settle (a request cut short still gets its
         messages through `on_durable`)."""
         while self._unsettled:
-            self._drained = self._drained or asyncio.get_running_loop().create_future()
-            await self._drained
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drained)  # a closer cancelled leaves the others waiting
 
     def _append(self) -> None:
         waiting, self._waiting = self._waiting, []
@@ -92,21 +96,32 @@ class GroupCommit:
             written.append(list(zip(appended[i : i + len(batch)], batch, strict=True)))
             i += len(batch)
         self._groups.append(_Group(appended[0].offset, appended[-1].end, written, [f for _, f in waiting]))
-        more_to_come = self.on_appended(messages) if self.on_appended is not None else False
+        more_to_come = False
+        if self.on_appended is not None:
+            try:
+                more_to_come = self.on_appended(messages)
+            except Exception:  # the writes are stored: they are settled all the same
+                log.exception("on_appended failed after an append")
         # The writes are settled right from the loop's wake-up after the fsync, not from a task's step.
         self._unsettled += 1
         end = appended[-1].end
-        settle = lambda error: self._settle(end, error)  # noqa: E731
         if more_to_come:  # after the steps `on_appended` made ready: their entries share the fsync
-            asyncio.get_running_loop().call_soon(self.store.when_durable, end, settle)
+            asyncio.get_running_loop().call_soon(self._when_durable, end)
         else:
-            self.store.when_durable(end, settle)
+            self._when_durable(end)
+
+    def _when_durable(self, end: int) -> None:
+        """Settle the groups up to `end` once durable; with the error if that cannot even be asked."""
+        try:
+            self.store.when_durable(end, lambda error: self._settle(end, error))
+        except Exception as exc:
+            self._settle(end, exc)
 
     def _settle(self, end: int, error: BaseException | None) -> None:
         """Everything up to `end` is durable (or `error`): settle every group before it, oldest first."""
         self._unsettled -= 1
         if not self._unsettled and self._drained is not None:
-            if not self._drained.done():  # (cancelled with the task that closed)
+            if not self._drained.done():
                 self._drained.set_result(None)
             self._drained = None
         while self._groups and self._groups[0].end <= end:
