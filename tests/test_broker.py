@@ -224,6 +224,44 @@ def test_long_poll_is_woken_by_a_send(broker):
     assert elapsed < 10, "the pull waited for its timeout instead of being woken"
 
 
+def test_waiting_pulls_take_in_the_order_they_came(broker):
+    """Pulls waiting on a subject are woken first come, first served: one message at a time goes
+    to the consumer that has waited longest, whoever pulls more often."""
+    conn = broker.connect()
+    names = [f"c{i}" for i in range(6)]
+    consumers = [consumer(broker, "fair", "g", name) for name in names]
+    for c in consumers:  # join the group before anything is sent
+        assert c.pull(1, wait_ms=0) == []
+    done: list[tuple[str, list[str]]] = []
+    finished = threading.Condition()
+
+    def wait(c: RawConsumer) -> None:
+        got = [d.id for d in c.pull(1, wait_ms=30_000)]
+        with finished:
+            done.append((c.consumer, got))
+            finished.notify_all()
+
+    threads = []
+    for i, c in enumerate(consumers):
+        threads.append(threading.Thread(target=wait, args=(c,)))
+        threads[-1].start()
+        wait_for_waiting_pulls(conn, "fair", i + 1)
+    for n in range(len(names)):
+        send(conn, "fair", [f"m{n}"])
+        with finished:
+            assert finished.wait_for(lambda n=n: len(done) == n + 1, timeout=20)
+    for t in threads:
+        t.join()
+    assert done == [(name, [f"m{n}"]) for n, name in enumerate(names)]
+    assert conn.request(RequestCode.BROKER_STATS, {})["pulls_waiting"] == {}
+
+
+def wait_for_waiting_pulls(conn, subject: str, count: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while conn.request(RequestCode.BROKER_STATS, {})["pulls_waiting"].get(subject, 0) != count:
+        assert time.monotonic() < deadline, f"never {count} pulls waiting on {subject}"
+
+
 def test_unknown_consumer_ack_closes_the_connection(broker):
     conn = broker.connect()
     with pytest.raises(RemoteError) as err:

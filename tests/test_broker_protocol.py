@@ -4,6 +4,7 @@ with a real meta server and its read-only flag, metrics, and consumption state a
 from __future__ import annotations
 
 import signal
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -373,11 +374,22 @@ def test_metrics_count_stored_messages_and_requests_and_show_group_gauges(proces
     assert sample(text, "qmq_broker_fsync_seconds_count") >= fsyncs  # observed as each one ends
     assert sample(text, "qmq_broker_fsync_seconds_sum") > 0
 
+    idle_conn = broker.connect()
+    idle = RawConsumer(idle_conn, "idle", "g3", "c3")
+    waiting = threading.Thread(target=idle.pull, kwargs={"wait_ms": 30_000})
+    waiting.start()  # a long poll held open while the gauges are read
+
     def gauges() -> str | None:
         text = scrape(metrics_port)
-        return text if sample(text, "qmq_broker_in_flight", subject="orders", group="g2") is not None else None
+        published = sample(text, "qmq_broker_in_flight", subject="orders", group="g2") is not None
+        return text if published and sample(text, "qmq_broker_pulls_waiting", subject="idle") is not None else None
 
     text = wait_until(gauges, "the sweep loop to publish the group gauges", 10.0)
+    assert sample(text, "qmq_broker_pulls_waiting", subject="idle") == 1
+    with broker.connect() as conn:
+        send(conn, "idle", ["wake"])
+    waiting.join()
+    idle_conn.close()
     assert sample(text, "qmq_broker_backlog", subject="orders", group="g1") == 3
     assert sample(text, "qmq_broker_in_flight", subject="orders", group="g1") == 0
     assert sample(text, "qmq_broker_backlog", subject="orders", group="g2") == 0

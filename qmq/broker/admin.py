@@ -275,8 +275,9 @@ class Administration:
             await asyncio.sleep(RATE_SAMPLE_S)  # a period, not a wait for an event
 
     def stats(self) -> dict[str, Any]:
-        """Per subject: stored, and the rate in ("in_rates"); per (subject, group): backlog, in flight, retrying,
-        dead, consumers, acknowledged and the rate out (messages per second over the last minute)."""
+        """Per subject: stored, the rate in ("in_rates") and the pulls waiting ("pulls_waiting"); per
+        (subject, group): backlog, in flight, retrying, dead, consumers, acknowledged and the rate out
+        (messages per second over the last minute)."""
         state = self.core.state
         subjects, acked = self._counters()
         now = time.monotonic()
@@ -315,6 +316,7 @@ class Administration:
             "subjects": {s: {"stored": n} for s, n in subjects.items() if not s.startswith("%")},
             "in_rates": {s: self.rates.rate(now, s, n) for s, n in subjects.items() if not s.startswith("%")},
             "groups": groups,
+            "pulls_waiting": self.core.waiting_pulls(),  # long polls held open, per subject
         }
 
     # ---- consumers and their workers ------------------------------------------------------------

@@ -53,7 +53,9 @@ class BrokerCore:
         # ...and below this offset every replica holds the log: snapshots keep one at or below it.
         self.replicated_upto: Callable[[], int | None] = lambda: None
         self.retries_changed = asyncio.Event()  # a retry was scheduled: the retry loop looks again
-        self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)  # subject -> waiting pulls
+        # subject -> waiting pulls, in the order they came (a dict as an ordered set): the first woken
+        # takes first, so one consumer cannot starve another of a group by pulling more often
+        self._waiters: dict[str, dict[asyncio.Future[None], None]] = defaultdict(dict)
         # told the base subjects of new messages once their waiting pulls are woken (ahead.py)
         # told the base subjects of what was stored; true when it made a step ready that will journal
         self.stored_listeners: list[Callable[[set[str]], bool]] = []
@@ -85,7 +87,7 @@ class BrokerCore:
         """Wait until a message of `subject` (or of its retry subjects) is stored; False after
         `timeout_s` without one."""
         future = asyncio.get_running_loop().create_future()
-        self._waiters[subject].add(future)
+        self._waiters[subject][future] = None
         try:
             async with asyncio.timeout(timeout_s):
                 await future
@@ -93,7 +95,11 @@ class BrokerCore:
         except TimeoutError:
             return False
         finally:
-            self._waiters.get(subject, set()).discard(future)
+            self._waiters.get(subject, {}).pop(future, None)
+
+    def waiting_pulls(self) -> dict[str, int]:
+        """Pulls waiting for messages, per subject (ordered queues count under their base subject)."""
+        return {subject: len(waiting) for subject, waiting in self._waiters.items() if waiting}
 
     def wake(self, subjects: Iterable[str]) -> bool:
         """Messages of `subjects` were stored: wake the pulls waiting for them. True when that made

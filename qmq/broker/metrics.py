@@ -49,6 +49,12 @@ SERVED_AHEAD = Counter(
     "Messages recorded for a consumer (prefetching, a worker) between its pulls, journalled with their send",
     registry=REGISTRY,
 )
+PULLS_WAITING = Gauge(
+    "qmq_broker_pulls_waiting",
+    "Pulls held open waiting for messages (long polls), by subject: about one per idle consumer",
+    ["subject"],
+    registry=REGISTRY,
+)
 READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only", registry=REGISTRY)
 DAMAGED = Gauge(
     "qmq_broker_damaged_records",
@@ -80,6 +86,9 @@ def update(stats: dict[str, Any]) -> None:
     DAMAGED.set(stats.get("damaged_records", 0))
     for subject, info in stats["subjects"].items():
         SUBJECT_MESSAGES.labels(subject).set(info["stored"])
+    PULLS_WAITING.clear()  # a subject nobody waits for any more drops out
+    for subject, waiting in stats.get("pulls_waiting", {}).items():
+        PULLS_WAITING.labels(subject).set(waiting)
     for g in stats["groups"]:
         labels = (g["subject"], g["group"])
         BACKLOG.labels(*labels).set(g["backlog"])
