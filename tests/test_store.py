@@ -241,3 +241,46 @@ def test_reserve_written_fills_holes_and_fallocated_ranges_with_zeros_and_keeps_
         assert data[3 << 20 : (3 << 20) + 4] == b"kept" and data.count(0) == size - 4
         assert os.lseek(fd, 0, os.SEEK_DATA) == 1 << 20  # before the range: still a hole
         assert os.lseek(fd, 1 << 20, os.SEEK_HOLE) == size  # the range: data all through
+
+
+def test_a_new_store_makes_its_first_index_file_with_its_slots_written_before_any_send(tmp_path) -> None:
+    """The first send must not wait for the key index's slots: the file exists at open, named by the
+    offset the log writes next, with every slot written (no hole), and the first append goes into it."""
+    with LogStore(tmp_path, SMALL) as store:
+        assert len(store.index.files) == 1
+        first = store.index.files[0]
+        assert first.base == store.message_log.end_offset
+        assert os.lseek(first.fd, 0, os.SEEK_HOLE) >= first.entries_at  # the slots: data all through
+        store.append_durable([msg("a", 0)])
+        assert store.index.files == [first] and first.count == 1
+    with LogStore(tmp_path, SMALL) as store:  # reopened: the same file, nothing made again
+        assert [f.base for f in store.index.files] == [first.base]
+        assert store.find_by_id("a-000000").seq == 0
+
+
+def test_a_checkpoint_syncs_the_directories_that_new_consume_log_files_went_into(tmp_path) -> None:
+    """New consume-log files are not made durable on the send path (their directory's fsync waits for
+    the disk): the next checkpoint syncs their directories with their entries."""
+    from qmq.store.consume_log import ConsumeLog, pack_entry
+    from qmq.store.segment import segment_name
+
+    consume_log = ConsumeLog(tmp_path / "consumelog" / "s", entries_per_segment=4)
+    consume_log.write(0, pack_entry(0, 10, 0, 0))
+    consume_log.write(4, pack_entry(10, 10, 0, 0))  # a second segment
+
+    def synced() -> set[tuple[int, int]]:
+        fds = consume_log.take_dirty_fds()
+        try:
+            return {(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in fds}
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def ino(path) -> tuple[int, int]:
+        return (path.stat().st_dev, path.stat().st_ino)
+
+    segments = {ino(p) for p in (tmp_path / "consumelog" / "s").iterdir()}
+    assert synced() == segments | {ino(tmp_path / "consumelog"), ino(tmp_path / "consumelog" / "s")}
+    consume_log.write(1, pack_entry(20, 10, 0, 0))  # an existing segment: only itself
+    assert synced() == {ino(tmp_path / "consumelog" / "s" / segment_name(0))}
+    consume_log.close()

@@ -11,7 +11,7 @@ from qmq.store.store import LogStore, Message
 from qmq.store.verify import verify
 from tests.support.stores import SMALL
 
-FILE_SIZE_LIMIT = 16 * 1024  # under the size of SMALL's key index file, which the first append makes
+FILE_SIZE_LIMIT = 16 * 1024  # under the size of SMALL's key index file: not made at open, the first append fails on it
 
 CHILD = """
 import sys

@@ -13,7 +13,6 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
-from qmq.store.files import fsync_dir
 from qmq.store.segment import list_segments, segment_name
 
 ENTRY = struct.Struct(">HBBIQQQ")  # magic, attr, reserved, size, offset, tag_mask, store_ts
@@ -47,7 +46,12 @@ class ConsumeLog:
     def __init__(self, directory: Path, entries_per_segment: int = DEFAULT_ENTRIES_PER_SEGMENT) -> None:
         self.directory = directory
         self.entries_per_segment = entries_per_segment
-        directory.mkdir(parents=True, exist_ok=True)
+        # Directories whose new entries (this subject's directory, a new segment) the next checkpoint
+        # makes durable: a crash before it replays the records into them again, so a send need not wait.
+        self._new_in: set[Path] = set()
+        if not directory.is_dir():
+            directory.mkdir(parents=True, exist_ok=True)
+            self._new_in.add(directory.parent)
         self._fds: dict[int, int] = {base: os.open(path, os.O_RDWR) for base, path in list_segments(directory)}
         self.dirty: set[int] = set()  # segment bases written since the last checkpoint
 
@@ -61,7 +65,7 @@ class ConsumeLog:
         if fd is None:
             fd = os.open(self.directory / segment_name(base), os.O_RDWR | os.O_CREAT, 0o644)
             self._fds[base] = fd
-            fsync_dir(self.directory)
+            self._new_in.add(self.directory)
         return fd
 
     def write(self, seq: int, entries: bytes) -> None:
@@ -147,10 +151,13 @@ class ConsumeLog:
         self.dirty.discard(base)
 
     def take_dirty_fds(self) -> list[int]:
-        """Duplicates of the descriptors written since the last call, for a checkpoint to fsync
-        without racing the writer; the caller closes them."""
+        """Duplicates of the descriptors written since the last call, and descriptors of the
+        directories with new entries, for a checkpoint to fsync without racing the writer; the
+        caller closes them."""
         fds = [os.dup(self._fds[b]) for b in self.dirty if b in self._fds]
+        fds.extend(os.open(d, os.O_RDONLY) for d in self._new_in)
         self.dirty.clear()
+        self._new_in.clear()
         return fds
 
     def close(self) -> None:

@@ -145,11 +145,14 @@ class IndexFile:
 
 def _create(path: Path, slots: int, capacity: int) -> None:
     """Make a sized, initialised index file under a temporary name, then rename it into place, so a
-    crash never leaves a half-made index file behind (only a `.tmp` that the next open removes)."""
+    crash never leaves a half-made index file behind (only a `.tmp` that the next open removes).
+    Its slots are written and synced here: left for later, their 16 MiB of new blocks would ride on
+    the message log's next fsyncs (ext4's ordered mode writes them with the journal commit)."""
     tmp = tmp_path(path)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, HEADER_SIZE + slots * SLOT.size + capacity * ENTRY.size)
+        reserve_written(fd, 0, HEADER_SIZE + slots * SLOT.size)  # synced by replace_durably below
         os.pwrite(fd, HEADER.pack(FILE_MAGIC, slots, capacity, 0, 0), 0)
     finally:
         os.close(fd)
@@ -168,6 +171,13 @@ class KeyIndex:
             leftover.unlink()
         self.files = [IndexFile(p, base, slots, capacity, create=False) for base, p in list_segments(directory)]
         self._dirty: set[IndexFile] = set()
+
+    def prepare(self, next_offset: int) -> None:
+        """Make the first index file now, named by the offset the message log writes next, if there
+        is none: at open rather than in the first send, which would wait for its slots."""
+        if not self.files:
+            path = self.directory / segment_name(next_offset)
+            self.files.append(IndexFile(path, next_offset, self.slots, self.capacity, create=True))
 
     def add(self, pairs: list[tuple[int, int]]) -> None:
         done = 0

@@ -221,6 +221,10 @@ class LogStore:
             replay(self._validated(start, start, RecoveryReport()), start, self._derive, report)
         for subject, consume_log in self._consume_logs.items():
             consume_log.truncate(self._next_seq.get(subject, 0))
+        try:
+            self.index.prepare(self.message_log.end_offset)
+        except OSError as exc:  # a full disk, say: the first append tries again, and its failure is handled
+            log.warning("cannot make the first key-index file at open (the first send will try again): %s", exc)
         self.message_log.sync()
         self._save_checkpoint(self._snapshot())
         log.info(
