@@ -295,3 +295,51 @@ def test_messages_held_for_their_millisecond_go_back_to_the_wheel_when_the_clock
 
     took = asyncio.run(run())
     assert took < 5, f"the message due in 1 s went after {took:.1f} s"
+
+
+def test_a_deliverer_that_meets_an_unexpected_error_goes_on_delivering(processes, tmp_path, monkeypatch) -> None:
+    """An error the delivery does not expect (here: reading one message's body raises once) loses that
+    batch until a restart, never the deliverer: with one deliverer, the message due a tick later is
+    still delivered to a real broker."""
+    from qmq.client.aio import AsyncClient
+    from tests.support.broker import start_broker
+
+    broker = start_broker(processes, tmp_path / "broker")
+    monkeypatch.setattr(scheduler_module, "DELIVERERS", 1)
+    real_body_of, failures = records.body_of, []
+
+    def body_of_failing_once(payload: bytes) -> bytes:
+        if not failures:
+            failures.append(payload)
+            raise RuntimeError("an unexpected error in a delivery")
+        return real_body_of(payload)
+
+    monkeypatch.setattr(records, "body_of", body_of_failing_once)
+
+    async def run() -> dict[str, int]:
+        schedule, cancels, clock = ScheduleLog(tmp_path / "schedule", 60), Cancels(tmp_path / "cancels"), Clock()
+        real = clock.now_ms()
+        start = real - real % HOUR_MS + HOUR_MS
+        clock.offset_ms = start + 600_000 - real  # at the start of a tick, in the bucket's hour
+        schedule.append(start, _items([100, 700], start + 600_000))  # due in 0.1 s and in 0.7 s: two ticks
+        async with AsyncClient(brokers=[broker.address]) as client:
+            scheduler = Scheduler(schedule, tmp_path / "dispatch", cancels, clock, client)
+            await scheduler.load_due()
+            scheduler.start()
+            try:
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 20
+                while scheduler.counters["fired"] == 0 and loop.time() < deadline:
+                    await asyncio.sleep(0.01)
+                return dict(scheduler.counters)
+            finally:
+                await scheduler.close()
+                schedule.close()
+                cancels.close()
+
+    counters = asyncio.run(run())
+    assert len(failures) == 1, "the injected error did not happen"
+    assert counters["fired"] == 1, "the second message was never delivered: the only deliverer ended"
+    with broker.connect() as conn:
+        reply = conn.request(RequestCode.BROKER_STATS, {})
+    assert reply["subjects"]["s"]["stored"] == 1
