@@ -280,7 +280,8 @@ def test_a_checkpoint_syncs_the_directories_that_new_consume_log_files_went_into
         return (path.stat().st_dev, path.stat().st_ino)
 
     segments = {ino(p) for p in (tmp_path / "consumelog" / "s").iterdir()}
-    assert synced() == segments | {ino(tmp_path / "consumelog"), ino(tmp_path / "consumelog" / "s")}
+    made = {ino(tmp_path), ino(tmp_path / "consumelog"), ino(tmp_path / "consumelog" / "s")}  # dirs with new entries
+    assert synced() == segments | made
     consume_log.write(1, pack_entry(20, 10, 0, 0))  # an existing segment: only itself
     assert synced() == {ino(tmp_path / "consumelog" / "s" / segment_name(0))}
     consume_log.close()

@@ -49,9 +49,11 @@ class ConsumeLog:
         # Directories whose new entries (this subject's directory, a new segment) the next checkpoint
         # makes durable: a crash before it replays the records into them again, so a send need not wait.
         self._new_in: set[Path] = set()
-        if not directory.is_dir():
-            directory.mkdir(parents=True, exist_ok=True)
-            self._new_in.add(directory.parent)
+        made = directory
+        while not made.is_dir():  # this directory and any parent it needs
+            self._new_in.add(made.parent)
+            made = made.parent
+        directory.mkdir(parents=True, exist_ok=True)
         self._fds: dict[int, int] = {base: os.open(path, os.O_RDWR) for base, path in list_segments(directory)}
         self.dirty: set[int] = set()  # segment bases written since the last checkpoint
 
