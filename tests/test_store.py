@@ -260,7 +260,8 @@ def test_a_new_store_makes_its_first_index_file_with_its_slots_written_before_an
 
 def test_a_checkpoint_syncs_the_directories_that_new_consume_log_files_went_into(tmp_path) -> None:
     """New consume-log files are not made durable on the send path (their directory's fsync waits for
-    the disk): the next checkpoint syncs their directories with their entries."""
+    the disk): the next checkpoint syncs their directories with their entries, and after an open the
+    first one syncs the directories it found."""
     from qmq.store.consume_log import ConsumeLog, pack_entry
     from qmq.store.segment import segment_name
 
@@ -284,4 +285,10 @@ def test_a_checkpoint_syncs_the_directories_that_new_consume_log_files_went_into
     assert synced() == segments | made
     consume_log.write(1, pack_entry(20, 10, 0, 0))  # an existing segment: only itself
     assert synced() == {ino(tmp_path / "consumelog" / "s" / segment_name(0))}
+    consume_log.close()
+    # Opened again (after a kill, say): what the last process made is visible but perhaps not durable,
+    # so the first checkpoint syncs the directories once more.
+    consume_log = ConsumeLog(tmp_path / "consumelog" / "s", entries_per_segment=4)
+    consume_log.write(2, pack_entry(30, 10, 0, 0))
+    assert synced() == {ino(tmp_path / "consumelog" / "s" / segment_name(0))} | made - {ino(tmp_path)}
     consume_log.close()

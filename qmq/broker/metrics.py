@@ -55,6 +55,7 @@ PULLS_WAITING = Gauge(
     ["subject"],
     registry=REGISTRY,
 )
+_waiting_labels: set[str] = set()  # the subjects PULLS_WAITING has a series for
 READ_ONLY = Gauge("qmq_broker_read_only", "1 while the broker group is read-only", registry=REGISTRY)
 DAMAGED = Gauge(
     "qmq_broker_damaged_records",
@@ -86,9 +87,13 @@ def update(stats: dict[str, Any]) -> None:
     DAMAGED.set(stats.get("damaged_records", 0))
     for subject, info in stats["subjects"].items():
         SUBJECT_MESSAGES.labels(subject).set(info["stored"])
-    PULLS_WAITING.clear()  # a subject nobody waits for any more drops out
-    for subject, waiting in stats.get("pulls_waiting", {}).items():
-        PULLS_WAITING.labels(subject).set(waiting)
+    waiting = stats.get("pulls_waiting", {})
+    for subject in _waiting_labels - waiting.keys():  # nobody waits on it any more: it drops out
+        PULLS_WAITING.remove(subject)
+    for subject, count in waiting.items():
+        PULLS_WAITING.labels(subject).set(count)
+    _waiting_labels.clear()
+    _waiting_labels.update(waiting)
     for g in stats["groups"]:
         labels = (g["subject"], g["group"])
         BACKLOG.labels(*labels).set(g["backlog"])

@@ -48,9 +48,11 @@ class ConsumeLog:
         self.entries_per_segment = entries_per_segment
         # Directories whose new entries (this subject's directory, a new segment) the next checkpoint
         # makes durable: a crash before it replays the records into them again, so a send need not wait.
-        self._new_in: set[Path] = set()
+        # At open, this directory and its parent always: what a killed process made is visible again but
+        # may not be durable yet (fsyncing a directory with nothing new costs next to nothing).
+        self._new_in: set[Path] = {directory, directory.parent}
         made = directory
-        while not made.is_dir():  # this directory and any parent it needs
+        while not made.is_dir():  # any parent it needs
             self._new_in.add(made.parent)
             made = made.parent
         directory.mkdir(parents=True, exist_ok=True)
@@ -157,7 +159,12 @@ class ConsumeLog:
         directories with new entries, for a checkpoint to fsync without racing the writer; the
         caller closes them."""
         fds = [os.dup(self._fds[b]) for b in self.dirty if b in self._fds]
-        fds.extend(os.open(d, os.O_RDONLY) for d in self._new_in)
+        try:
+            fds.extend(os.open(d, os.O_RDONLY) for d in self._new_in)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
         self.dirty.clear()
         self._new_in.clear()
         return fds

@@ -1056,7 +1056,12 @@ class LogStore:
         if self.read_only_reason is not None:
             return
         snapshot = self._snapshot()
-        self.flusher.wait_durable(snapshot[0].offset)
+        try:
+            self.flusher.wait_durable(snapshot[0].offset)
+        except BaseException:
+            for fd in snapshot[1]:
+                os.close(fd)
+            raise
         self._save_checkpoint(snapshot)
 
     def clean(self, now: float | None = None) -> int:
