@@ -124,7 +124,7 @@ def test_a_broker_killed_under_qmq_dev_comes_back_and_the_relay_ships_what_was_c
     processes, tmp_path, pg_url
 ) -> None:
     with fresh_database(pg_url) as app_db:
-        dev, text = start_dev(processes, tmp_path, "--db", app_db, "--restart-after", "4")
+        dev, text = start_dev(processes, tmp_path, "--db", app_db, "--restart-after", "8")
         meta = re.search(r"QMQ_META=(\S+)", text).group(1)
         broker = re.search(r"broker group +\S+ +(\S+)", text).group(1)
         servers = children(dev)
