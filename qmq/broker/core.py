@@ -56,8 +56,8 @@ class BrokerCore:
         # subject -> waiting pulls, in the order they came (a dict as an ordered set): the first woken
         # takes first, so one consumer cannot starve another of a group by pulling more often
         self._waiters: dict[str, dict[asyncio.Future[None], None]] = defaultdict(dict)
-        # told the base subjects of new messages once their waiting pulls are woken (ahead.py)
-        # told the base subjects of what was stored; true when it made a step ready that will journal
+        # told the base subjects of what was stored, once their waiting pulls are woken (ahead.py);
+        # true when it made a step ready that will journal
         self.stored_listeners: list[Callable[[set[str]], bool]] = []
 
     # ---- the journal ----------------------------------------------------------------------------
@@ -95,7 +95,11 @@ class BrokerCore:
         except TimeoutError:
             return False
         finally:
-            self._waiters.get(subject, {}).pop(future, None)
+            waiting = self._waiters.get(subject)
+            if waiting is not None:
+                waiting.pop(future, None)
+                if not waiting:  # a broker of many short-lived subjects keeps no empty entry per subject
+                    del self._waiters[subject]
 
     def waiting_pulls(self) -> dict[str, int]:
         """Pulls waiting for messages, per subject (ordered queues count under their base subject)."""
