@@ -88,6 +88,10 @@ class Feeder:
                 self.capacity.received(take, len(deliveries))
             if deliveries:
                 self._deliver(deliveries)
+                # Let the pool thread just woken take the GIL now, rather than after this thread has
+                # built and sent its next pull: the handler is the message's latency, the next pull
+                # can wait that long (docs/benchmarks.md, a seventeenth machine).
+                time.sleep(0)
         self._hand_over_buffered()
 
     def _may_pull(self) -> bool:

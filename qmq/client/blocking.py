@@ -19,11 +19,12 @@ and it only does their steps (`qmq.client.steps`) with threads and blocking wait
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from qmq.client.admin import ADMIN_OPERATIONS, AdminCore
@@ -70,6 +71,14 @@ def request(pool: ConnectionPool, call: Call) -> Any:
         return pool.request(call.address, call.code, call.body, call.timeout_s)
     except Exception as exc:
         return exc
+
+
+def wait_one(future: Future[Any], timeout_s: float | None) -> None:
+    """Return once `future` is done (with whatever outcome) or `timeout_s` passed: the one-future
+    case of `wait(FIRST_COMPLETED)`, one lock and no waiter object between the reader thread that
+    settles it and this one."""
+    with contextlib.suppress(TimeoutError, CancelledError):
+        future.exception(timeout_s)
 
 
 @bound(ClientCore, CLIENT_OPERATIONS, blocking)
@@ -187,7 +196,10 @@ class Subscription(SubscriptionCore):
         if isinstance(step, Start):
             return self._start(step.call)
         if isinstance(step, WaitAny):
-            wait(step.handles, timeout=step.timeout_s, return_when=FIRST_COMPLETED)
+            if len(step.handles) == 1:  # one broker group: wait on its future alone, without wait()'s waiter
+                wait_one(step.handles[0], step.timeout_s)
+            else:
+                wait(step.handles, timeout=step.timeout_s, return_when=FIRST_COMPLETED)
             return None
         if isinstance(step, WaitAll):
             wait(step.handles, timeout=step.timeout_s)
