@@ -6,14 +6,16 @@
 
 A real `qmq broker --flush sync`, its request handlers timed from inside (this script starts it with
 a wrapper that records when each BROKER_SEND and BROKER_PULL handler starts and returns, the ids it
-saw, and each fsync of the message log); a producer process sending one stamped 1 KiB message every
-1/rate s with `AsyncClient.send_one`; a consumer in this process, `AsyncSubscription.pull` and an ack
-per delivery, as bench/peers' latency case but in two processes; uvloop in all three. Every process
-stamps with `time.perf_counter()`, which is CLOCK_MONOTONIC, one clock for the whole machine, so the
-phases of one message line up across the processes (joined by message id). Prints p50 and p90 of
-each phase, and how often the consumer's pull was already waiting at the broker when the message
-came, how often the message was served ahead of the consumer's next pull (--prefetch), and the
-total for each of those cases. Not run in CI; figures in docs/benchmarks.md.
+saw, each fsync of the message log, and the hand-offs to and from the flusher thread: when a flush
+is first asked for and when the loop settles the waiters after a round); a producer process sending
+one stamped 1 KiB message every 1/rate s with `AsyncClient.send_one`; a consumer in this process,
+`AsyncSubscription.pull` and an ack per delivery, as bench/peers' latency case but in two processes;
+uvloop in all three. Every process stamps with `time.perf_counter()`, which is CLOCK_MONOTONIC, one
+clock for the whole machine, so the phases of one message line up across the processes (joined by
+message id). Prints p50 and p90 of each phase, and how often the consumer's pull was already waiting
+at the broker when the message came, how often the message was served ahead of the consumer's next
+pull (--prefetch), and the total for each of those cases. Not run in CI; figures in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import bisect
 import multiprocessing
 import os
 import pickle
@@ -53,7 +56,7 @@ def traced_broker(args: list[str]) -> None:
     pickled to $QMQ_BENCH_TRACE_OUT when it exits."""
     from qmq.broker import consuming, sending
     from qmq.cli import main
-    from qmq.store import message_log
+    from qmq.store import flush, message_log
 
     trace: dict[str, list] = defaultdict(list)
 
@@ -91,6 +94,19 @@ def traced_broker(args: list[str]) -> None:
         return end
 
     message_log.MessageLog.sync = timed_sync  # type: ignore[method-assign]
+    request, settle = flush.Flusher.request, flush._LoopWaiters.settle
+
+    def traced_request(self: flush.Flusher, offset: int) -> None:
+        if offset > self._requested and offset > self.durable_offset:  # a flush not yet asked for
+            trace["flush_asked"].append((time.perf_counter(), 0.0, None))
+        request(self, offset)
+
+    def traced_settle(self: flush._LoopWaiters, durable: int, error: BaseException | None) -> None:
+        trace["settled"].append((time.perf_counter(), 0.0, None))
+        settle(self, durable, error)
+
+    flush.Flusher.request = traced_request  # type: ignore[method-assign]
+    flush._LoopWaiters.settle = traced_settle  # type: ignore[method-assign]
 
     def dump() -> None:
         with open(os.environ[TRACE_ENV], "wb") as out:
@@ -187,6 +203,22 @@ def report(received: dict, trace: dict) -> None:
         print(f"{name:66s} {quantiles(values)}")
     fsyncs = [end - start for start, end, _ in trace["fsync"]]
     print(f"{'broker: fsync of the message log':66s} {quantiles(fsyncs)}")
+    handed_over: list[float] = []
+    settled_after: list[float] = []
+    asked = sorted(t for t, _, _ in trace.get("flush_asked", ()))
+    settles = sorted(t for t, _, _ in trace.get("settled", ()))
+    previous_end = 0.0
+    for start, end, _ in trace["fsync"]:
+        i = bisect.bisect_right(asked, previous_end)  # the first flush asked for after the round before
+        if i < len(asked) and asked[i] < start:
+            handed_over.append(start - asked[i])
+        j = bisect.bisect_left(settles, end)
+        if j < len(settles):
+            settled_after.append(settles[j] - end)
+        previous_end = end
+    if handed_over and settled_after:
+        print(f"{'broker: flush asked for -> its fsync starts (the flusher thread)':66s} {quantiles(handed_over)}")
+        print(f"{'broker: fsync done -> the loop settles its waiters':66s} {quantiles(settled_after)}")
     print(
         f"# {len(received)} messages, {len(trace['pull'])} pulls, {len(fsyncs)} fsyncs; the pull was already "
         f"waiting at the broker for {100 * waiting / len(received):.0f}% of the messages, "
