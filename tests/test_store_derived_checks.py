@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import zlib
 
+from qmq.store.index import HEADER
+from qmq.store.segment import segment_name
 from qmq.store.store import LogStore, Message
 from tests.support.stores import SMALL
 
@@ -75,6 +78,37 @@ def test_a_checkpoint_claiming_more_messages_is_discarded(tmp_path, caplog) -> N
         assert store.next_seq("exp") == SENT  # no phantom messages, no gap
         assert len(all_ids(store)) == SENT
     assert any("rebuilding the derived logs" in r.getMessage() for r in caplog.records)
+
+
+def index_file_named_by_the_checkpoint(data_dir):
+    state = json.loads(checkpoint_path(data_dir).read_text())["index"]
+    assert state["file"] is not None and state["count"] == SENT, state
+    return data_dir / "index" / segment_name(state["file"])
+
+
+def check_every_id_found_after_a_rebuild(data_dir, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="qmq.store"), LogStore(data_dir, SMALL) as store:
+        assert all(store.find_by_id(f"m-{i}") is not None for i in range(SENT))
+    assert any("rebuilding the derived logs" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_checkpoint_naming_a_missing_key_index_is_discarded(tmp_path, caplog) -> None:
+    """Without the check the store opened, replayed from the checkpoint, and found no message sent
+    before it by id."""
+    fill(tmp_path)
+    index_file_named_by_the_checkpoint(tmp_path)
+    shutil.rmtree(tmp_path / "index")
+    check_every_id_found_after_a_rebuild(tmp_path, caplog)
+
+
+def test_a_key_index_holding_fewer_entries_than_the_checkpoint_counts_is_rebuilt(tmp_path, caplog) -> None:
+    fill(tmp_path)
+    path = index_file_named_by_the_checkpoint(tmp_path)
+    with path.open("r+b") as f:
+        magic, slots, capacity, _count, last_offset = HEADER.unpack(f.read(HEADER.size))
+        f.seek(0)
+        f.write(HEADER.pack(magic, slots, capacity, SENT // 2, last_offset))
+    check_every_id_found_after_a_rebuild(tmp_path, caplog)
 
 
 def test_log_verify_reads_the_checkpoint_and_the_snapshot(tmp_path) -> None:

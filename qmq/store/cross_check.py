@@ -6,7 +6,9 @@ message log they are derived (`offset`). Each claim is checked where it can be c
 one record per subject): the entry before `next_seq` must exist and point below `offset` at the
 record with that subject and sequence; the entry at `next_seq`, if any, must point at or past
 `offset` (else the checkpoint claims fewer messages than the log holds, and new messages would reuse
-their sequence numbers). A record that cannot be read is left to the message log's own checks.
+their sequence numbers). The key-index file the checkpoint names must be there and hold at least the
+entries it counts (else look-ups by id of every message before the checkpoint would find nothing). A
+record that cannot be read is left to the message log's own checks.
 """
 
 from __future__ import annotations
@@ -16,16 +18,21 @@ from pathlib import Path
 from qmq.store import record as rec
 from qmq.store.checkpoint import Checkpoint
 from qmq.store.consume_log import ConsumeLog, DamagedEntry
+from qmq.store.index import FILE_MAGIC, HEADER
 from qmq.store.message_log import MessageLog
+from qmq.store.segment import segment_name
 
 
 def checkpoint_problem(
-    checkpoint: Checkpoint, message_log: MessageLog, consume_dir: Path, entries_per_segment: int
+    checkpoint: Checkpoint, message_log: MessageLog, consume_dir: Path, entries_per_segment: int, index_dir: Path
 ) -> str | None:
     """What is wrong with `checkpoint` given the logs on disk, or None if it checks out."""
     start, end = message_log.start_offset, message_log.end_offset
     if not start <= checkpoint.offset <= end:
         return f"checkpoint offset {checkpoint.offset} is outside the message log {start}..{end}"
+    problem = _index_problem(checkpoint, index_dir)
+    if problem is not None:
+        return problem
     subjects = set(checkpoint.next_seq)
     if consume_dir.is_dir():
         subjects |= {p.name for p in consume_dir.iterdir() if p.is_dir()}
@@ -39,6 +46,25 @@ def checkpoint_problem(
             consume_log.close()
         if problem is not None:
             return problem
+    return None
+
+
+def _index_problem(checkpoint: Checkpoint, index_dir: Path) -> str | None:
+    """The key-index file the checkpoint names, checked by its header (the entries it holds)."""
+    state = checkpoint.index
+    if not state or state.get("file") is None:
+        return None
+    path = index_dir / segment_name(int(state["file"]))
+    try:
+        with path.open("rb") as f:
+            header = f.read(HEADER.size)
+    except FileNotFoundError:
+        return f"checkpoint names key-index file {path}, which is missing"
+    if len(header) < HEADER.size or HEADER.unpack(header)[0] != FILE_MAGIC:
+        return None  # damage: opening it refuses and names `qmq log repair` (index.py)
+    held, claimed = HEADER.unpack(header)[3], int(state.get("count") or 0)
+    if held < claimed:
+        return f"checkpoint says key-index file {path} holds {claimed} entries; it holds {held}"
     return None
 
 

@@ -196,7 +196,11 @@ class LogStore:
             checkpoint = None
         if checkpoint is not None:
             problem = checkpoint_problem(
-                checkpoint, self.message_log, self._consume_dir, self.config.consume_segment_entries
+                checkpoint,
+                self.message_log,
+                self._consume_dir,
+                self.config.consume_segment_entries,
+                self.data_dir / "index",
             )
             if problem is not None:
                 log.warning("%s: discarding the checkpoint, rebuilding the derived logs from the message log", problem)
