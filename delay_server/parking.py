@@ -34,6 +34,11 @@ REPARK_WINDOW_S = 5.0  # a failed send begun within this of a release's last tic
 RELEASE_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after the n-th release too soon in a row; the last repeats
 RELEASE_PER_TICK = 8192  # released messages per wheel tick (500 ms), all subjects together: about 16,000 a second
 STATS_SUBJECTS = 20  # subjects named in the stats, those with the most parked first
+# A subject whose probe took its last parked messages is forgotten this long after its next probe was
+# due with nothing to send: longer than any send waits for its answer, so a probe that failed has come
+# back and parked its messages again by then; one that never comes back (its messages cancelled) left
+# an empty entry, which would otherwise stay until the subject's next message.
+EMPTY_KEPT_S = 60.0
 
 
 @dataclass
@@ -132,9 +137,13 @@ class Parking:
         """For each subject whose probe is due, the few messages to try again now. The next probe is
         set at once, whatever becomes of this one: a probe that never comes back (its messages
         cancelled meanwhile, a send that hangs) cannot stop the subject being probed."""
-        probes = []
-        for parked in self.subjects.values():
-            if parked.probe_at_ms > now_ms or not parked.values:
+        probes, forgotten = [], []
+        for subject, parked in self.subjects.items():
+            if not parked.values:
+                if parked.probe_at_ms + _ms(EMPTY_KEPT_S) <= now_ms:
+                    forgotten.append(subject)
+                continue
+            if parked.probe_at_ms > now_ms:
                 continue
             probe = parked.values[:PROBE_MESSAGES]  # the oldest: a failed probe goes to the back
             del parked.values[:PROBE_MESSAGES]
@@ -142,6 +151,8 @@ class Parking:
             parked.probe_at_ms = now_ms + _ms(PROBE_BACKOFF_S[min(parked.probes, len(PROBE_BACKOFF_S) - 1)])
             self.count -= len(probe)
             probes.append(probe)
+        for subject in forgotten:
+            del self.subjects[subject]
         return probes
 
     def next_probe_ms(self) -> int | None:

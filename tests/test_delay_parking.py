@@ -7,6 +7,7 @@ from __future__ import annotations
 from array import array
 
 from delay_server.parking import (
+    EMPTY_KEPT_S,
     PROBE_BACKOFF_S,
     PROBE_MESSAGES,
     RELEASE_BACKOFF_S,
@@ -126,3 +127,16 @@ def test_a_subject_whose_probe_took_its_last_messages_is_not_probed_until_more_a
     assert parking.next_probe_ms() is None and parking.due_probes(10_000) == []
     assert parking.park("s", [2], now_ms=10_000, sent_ms=10_000) is None  # still parked: probed on its schedule
     assert parking.next_probe_ms() == 500 + PROBE_BACKOFF_S[1] * 1000
+
+
+def test_a_subject_whose_last_probe_never_came_back_is_forgotten_in_the_end() -> None:
+    parking = Parking()
+    parking.park("s", [1], now_ms=0, sent_ms=0)
+    assert [list(p) for p in parking.due_probes(500)] == [[1]]  # then cancelled: it never comes back
+    next_probe_ms = 500 + int(PROBE_BACKOFF_S[1] * 1000)
+    parking.due_probes(next_probe_ms + int(EMPTY_KEPT_S * 1000) - 1)
+    assert "s" in parking.subjects  # a probe's failure may still come back and park it again
+    parking.due_probes(next_probe_ms + int(EMPTY_KEPT_S * 1000))
+    assert parking.subjects == {} and len(parking) == 0
+    later_ms = next_probe_ms + int(EMPTY_KEPT_S * 1000) + 1
+    assert parking.park("s", [2], now_ms=later_ms, sent_ms=later_ms) == 0  # parked anew: a new outage
