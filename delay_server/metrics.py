@@ -44,6 +44,7 @@ class SchedulerCollector:
         for name, help_text, value in (
             ("qmq_delay_wheel_messages", "Messages in the in-memory wheel", len(s.wheel)),
             ("qmq_delay_parked_messages", "Due messages waiting for a broker of their subject", len(s.parking)),
+            ("qmq_delay_releasing_messages", "Released messages not yet back in the wheel", s.parking.releasing_count),
             ("qmq_delay_held_messages", "Due messages read from disk, not yet delivered (--max-held)", s.held),
             ("qmq_delay_due_waiting_messages", "Due messages left in the wheel for want of room", s.due_waiting()),
             ("qmq_delay_loaded_buckets", "Buckets loaded into the wheel", len(s.loaded)),

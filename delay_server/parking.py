@@ -11,7 +11,10 @@ interval, and an outage costs a few sends per subject per interval.
 
 Released backlogs go back to the wheel RELEASE_PER_TICK messages per tick, all subjects together (the
 scheduler reads each tick's messages on its event loop, which must keep answering: after a meta
-server's outage every subject may be released at once). A subject parked again by a send
+server's outage every subject may be released at once). They wait here until their tick, and each
+tick's room is shared evenly among the subjects releasing (`due_released`, round robin): a small
+subject released behind a large backlog goes in its first tick, not after the backlog. A subject
+parked again while its release goes takes what is left of it back. A subject parked again by a send
 that began after its release went and no later than REPARK_WINDOW_S after its last tick (its brokers
 take a few messages, not the backlog: big batches time out, say) has its next release put off by
 RELEASE_BACKOFF_S, growing each time, so a flapping subject costs no more than each message's own
@@ -52,8 +55,18 @@ class ParkedSubject:
 @dataclass
 class Release:
     at_ms: int  # its messages go from here
-    until_ms: int  # its last tick goes here
+    until_ms: int  # its last tick goes here (so far, while it goes)
     streak: int  # of the subject when it was released
+
+
+@dataclass
+class Releasing:
+    """A released backlog on its way back to the wheel."""
+
+    at_tick: int  # none of it goes before this tick
+    values: array
+    release: Release  # its `until_ms` moves with each tick it goes in
+    sent: int = 0  # values[:sent] went to the wheel, oldest first
 
 
 class Parking:
@@ -62,8 +75,10 @@ class Parking:
         self.count = 0  # messages parked, probes out not counted
         self._released: dict[str, Release] = {}  # subject -> its last release
         self._kept_after_prune = 0
-        self._release_used: dict[int, int] = {}  # wheel tick -> released messages put into it
-        self._ticks_after_prune = 0
+        self.releasing: dict[str, Releasing] = {}  # backlogs going back to the wheel, next served first
+        self.releasing_count = 0  # their messages not yet in the wheel
+        self._tick = -1  # the tick of `_tick_used`
+        self._tick_used = 0  # released messages put into the wheel in that tick
 
     def __len__(self) -> int:
         return self.count
@@ -75,6 +90,7 @@ class Parking:
         first time in a while)."""
         parked = self.subjects.get(subject)
         streak = None
+        rest = self._stop_releasing(subject)
         if parked is None:
             last = self._released.get(subject)
             if last is None or sent_ms > last.until_ms + _ms(REPARK_WINDOW_S):
@@ -86,44 +102,75 @@ class Parking:
             parked = self.subjects[subject] = ParkedSubject(now_ms + _ms(PROBE_BACKOFF_S[0]), streak=streak)
         before = len(parked.values)
         parked.values.extend(values)
+        parked.values.extend(rest)  # what its release had not sent yet: it would meet the same brokers
         self.count += len(parked.values) - before
         return streak
 
-    def release(self, subject: str, now_ms: int) -> list[tuple[int, array]] | None:
-        """A broker stored a message of `subject`: every message parked for it, as (wheel tick,
-        messages) to add to the wheel. They go from now, unless its last releases came too soon, and
-        no more than RELEASE_PER_TICK a tick with the other subjects' released messages."""
+    def _stop_releasing(self, subject: str) -> array:
+        """What is left of `subject`'s release, taken back (it is parked again)."""
+        going = self.releasing.pop(subject, None)
+        if going is None:
+            return array("q")
+        rest = going.values[going.sent :]
+        self.releasing_count -= len(rest)
+        return rest
+
+    def release(self, subject: str, now_ms: int) -> int | None:
+        """A broker stored a message of `subject`: every message parked for it goes back to the wheel
+        (`due_released`), from now unless its last releases came too soon. Returns how many, or None
+        when it was not parked."""
         parked = self.subjects.pop(subject, None)
         if parked is None:
             return None
         self.count -= len(parked.values)
         delay_ms = _ms(RELEASE_BACKOFF_S[min(parked.streak, len(RELEASE_BACKOFF_S)) - 1]) if parked.streak else 0
         at_ms = now_ms + delay_ms
-        ticks = self._paced(parked.values, at_ms // TICK_MS, now_ms // TICK_MS)
+        release = Release(at_ms, at_ms, parked.streak)
+        if parked.values:
+            self.releasing[subject] = Releasing(at_ms // TICK_MS, parked.values, release)
+            self.releasing_count += len(parked.values)
         self._forget_old_releases(now_ms)
-        if ticks:  # behind other subjects' released messages, they may go later than `at_ms`
-            at_ms = max(at_ms, ticks[0][0] * TICK_MS)
-        self._released[subject] = Release(at_ms, max(at_ms, ticks[-1][0] * TICK_MS if ticks else 0), parked.streak)
-        return ticks
+        self._released[subject] = release
+        return len(parked.values)
 
-    def _paced(self, values: array, first_tick: int, now_tick: int) -> list[tuple[int, array]]:
-        """`values` spread from `first_tick` on over the ticks with room left (RELEASE_PER_TICK each,
-        all releases together): a release put off does not hold back the ones that are not."""
-        used = self._release_used
-        if len(used) > 2 * self._ticks_after_prune + 64:  # now and then: past ticks are done
-            self._release_used = used = {t: n for t, n in used.items() if t >= now_tick}
-            self._ticks_after_prune = len(used)
-        ticks = []
-        tick, start = first_tick, 0
-        while start < len(values):
-            room = RELEASE_PER_TICK - used.get(tick, 0)
-            if room > 0:
-                take = min(room, len(values) - start)
-                ticks.append((tick, values[start : start + take]))
-                used[tick] = used.get(tick, 0) + take
-                start += take
-            tick += 1
-        return ticks
+    def due_released(self, now_ms: int) -> list[array]:
+        """Released messages to put into the wheel's tick of `now_ms` now: what is left of the tick's
+        RELEASE_PER_TICK, shared evenly among the subjects whose release has begun, round robin (a
+        subject served goes to the back), each subject's oldest first."""
+        tick = now_ms // TICK_MS
+        if tick != self._tick:
+            self._tick, self._tick_used = tick, 0
+        room = RELEASE_PER_TICK - self._tick_used
+        out: list[array] = []
+        while room > 0:
+            begun = [subject for subject, going in self.releasing.items() if going.at_tick <= tick]
+            if not begun:
+                break
+            share = max(1, room // len(begun))
+            for subject in begun[:room]:
+                going = self.releasing.pop(subject)
+                if not going.sent:  # behind a full tick, it begins later than released
+                    going.release.at_ms = max(going.release.at_ms, tick * TICK_MS)
+                take = min(share, len(going.values) - going.sent)
+                out.append(going.values[going.sent : going.sent + take])
+                going.sent += take
+                room -= take
+                self.releasing_count -= take
+                going.release.until_ms = max(going.release.until_ms, tick * TICK_MS)
+                if going.sent < len(going.values):
+                    self.releasing[subject] = going  # to the back
+        self._tick_used = RELEASE_PER_TICK - room
+        return out
+
+    def next_release_ms(self, now_ms: int) -> int | None:
+        """When `due_released` has something next: the next tick if this one's room is used up,
+        else the first tick of a release put off."""
+        if not self.releasing:
+            return None
+        tick = now_ms // TICK_MS
+        if any(going.at_tick <= tick for going in self.releasing.values()):
+            return (tick + 1) * TICK_MS if tick == self._tick and self._tick_used >= RELEASE_PER_TICK else now_ms
+        return min(going.at_tick for going in self.releasing.values()) * TICK_MS
 
     def _forget_old_releases(self, now_ms: int) -> None:
         """Drop the releases too old to matter, once their number doubled since the last time (so a

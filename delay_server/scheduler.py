@@ -303,6 +303,8 @@ class Scheduler:
             self._fire_now_ms = now
             for probe in self.parking.due_probes(now):
                 self._stage(probe)
+            for values in self.parking.due_released(now):
+                self.wheel.add_many(now // TICK_MS, values)
             room = self.max_held - self.held
             if room > 0:
                 for slot in self.wheel.take_due(now // TICK_MS, room):
@@ -321,6 +323,8 @@ class Scheduler:
                 wake_at.append(staged[0][0])
             if (probe_at := self.parking.next_probe_ms()) is not None:
                 wake_at.append(probe_at)
+            if (release_at := self.parking.next_release_ms(now)) is not None:
+                wake_at.append(release_at)
             timeout = max(0.0, (min(wake_at) - self.clock.now_ms()) / 1000) if wake_at else None
             if timeout == 0.0:
                 await asyncio.sleep(0)
@@ -429,10 +433,8 @@ class Scheduler:
                 refused.append((value, error[1]))
         released = False
         for subject in stored:
-            if (ticks := self.parking.release(subject, now)) is not None:  # its brokers take messages again
-                for tick, values in ticks:
-                    self.wheel.add_many(tick, values)
-                if count := sum(len(values) for _, values in ticks):  # none: only its probes were out
+            if (count := self.parking.release(subject, now)) is not None:  # its brokers take messages again
+                if count:  # none: only its probes were out
                     log.info("a broker takes %s again: %d waiting messages released", subject, count)
                 released = True
         for subject, values in unreachable.items():
@@ -516,6 +518,7 @@ class Scheduler:
             "held_peak": self.held_peak,
             "due_waiting": self.due_waiting(),
             "parked": len(self.parking),  # waiting for a broker of their subject (parking.py)
+            "releasing": self.parking.releasing_count,  # released, going back to the wheel tick by tick
             "parked_subjects": self.parking.stats(),  # the subjects with the most, and how many
             "cancels_kept": len(self.cancels),
             **self.counters,

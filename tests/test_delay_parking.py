@@ -1,10 +1,9 @@
 """Parking (delay_server/parking.py), without I/O: a parked subject is probed a few messages at a time
-on PROBE_BACKOFF_S and released whole; a release that comes too soon is put off longer each time; a
-released backlog goes back to the wheel a bounded number per tick, all subjects together."""
+on PROBE_BACKOFF_S and released whole; a release that comes too soon is put off longer each time;
+released backlogs go back to the wheel a bounded number per tick, all subjects together, each tick
+shared evenly among the subjects releasing (a small one is not held up behind a large one)."""
 
 from __future__ import annotations
-
-from array import array
 
 from delay_server.parking import (
     EMPTY_KEPT_S,
@@ -21,9 +20,23 @@ PARKED = 20
 SEND_TIMEOUT_MS = 10_000  # the client's send timeout: a refusal may come this long after the send
 
 
+def hand_out(parking: Parking, from_ms: int) -> list[tuple[int, list[int]]]:
+    """The scheduler's part: `due_released` at each tick from `from_ms` on (when `next_release_ms`
+    says), until nothing is releasing; (tick, messages put into it) for each tick that had some."""
+    ticks, now = [], from_ms
+    while parking.releasing:
+        values = [v for part in parking.due_released(now) for v in part]
+        if values:
+            ticks.append((now // TICK_MS, values))
+        if parking.releasing:
+            now = max(parking.next_release_ms(now), now + 1)
+    return ticks
+
+
 def release_delay_ms(parking: Parking, subject: str, now_ms: int) -> int:
     """How long after `now_ms` (to the tick) the release of `subject` begins."""
-    first_tick = parking.release(subject, now_ms)[0][0]
+    parking.release(subject, now_ms)
+    first_tick = hand_out(parking, now_ms)[0][0]
     return first_tick * TICK_MS - now_ms // TICK_MS * TICK_MS
 
 
@@ -48,7 +61,8 @@ def test_a_parked_subject_is_probed_a_few_at_a_time_on_the_backoff_then_released
     assert [b - a for a, b in zip([500, *times], times, strict=False)] == [1000, 2000, 2000, 2000]
     assert sorted(set(probed)) == list(range(PARKED + 1))  # a failed probe goes to the back: each gets its turn
     parking.park("s", probe, now, now)
-    [(tick, values)] = parking.release("s", now_ms=now)
+    assert parking.release("s", now_ms=now) == PARKED + 1
+    [(tick, values)] = hand_out(parking, now)
     assert sorted(values) == list(range(PARKED + 1)) and tick == now // TICK_MS  # all of them, at once
     assert parking.release("s", now_ms=now) is None
     assert len(parking) == 0 and parking.stats() == {} and parking.next_probe_ms() is None
@@ -86,7 +100,12 @@ def test_a_send_begun_before_a_release_says_nothing_of_it() -> None:
 def test_a_large_release_counts_as_going_until_its_last_tick() -> None:
     parking = Parking()
     parking.park("s", range(3 * RELEASE_PER_TICK), now_ms=0, sent_ms=0)
-    parking.release("s", now_ms=0)  # goes over three ticks: the last one 2 ticks later
+    parking.release("s", now_ms=0)
+    assert [(t, len(v)) for t, v in hand_out(parking, 0)] == [
+        (0, RELEASE_PER_TICK),
+        (1, RELEASE_PER_TICK),
+        (2, RELEASE_PER_TICK),
+    ]
     sent = 2 * TICK_MS + int(REPARK_WINDOW_S * 1000)  # the window counts from the last tick
     assert parking.park("s", [1], now_ms=sent + SEND_TIMEOUT_MS, sent_ms=sent) == 1
 
@@ -100,24 +119,57 @@ def test_old_releases_are_forgotten() -> None:
     assert len(parking._released) < subjects  # those more than REPARK_WINDOW_S old went
 
 
-def test_released_backlogs_go_back_a_bounded_number_per_tick_all_subjects_together() -> None:
+def test_released_backlogs_go_back_a_bounded_number_per_tick_shared_evenly() -> None:
     parking = Parking()
     parking.park("a", range(RELEASE_PER_TICK + 5), now_ms=0, sent_ms=0)
-    parking.park("b", range(RELEASE_PER_TICK), now_ms=0, sent_ms=0)
-    first = parking.release("a", now_ms=1000)
-    second = parking.release("b", now_ms=1000)  # in the same moment: after a's, not beside it
-    tick = 1000 // TICK_MS
-    assert [(t, len(v)) for t, v in first] == [(tick, RELEASE_PER_TICK), (tick + 1, 5)]
-    assert [(t, len(v)) for t, v in second] == [(tick + 1, RELEASE_PER_TICK - 5), (tick + 2, 5)]
-    assert [x for _, v in first for x in v] == list(range(RELEASE_PER_TICK + 5))
-    assert parking.park("b", [9], now_ms=1200, sent_ms=1000) == 0  # begun before b's messages went: no verdict
+    parking.park("b", range(100_000, 100_000 + RELEASE_PER_TICK), now_ms=0, sent_ms=0)
+    parking.release("a", now_ms=1000)
+    parking.release("b", now_ms=1000)  # in the same moment: beside a's, not after them
+    tick, half = 1000 // TICK_MS, RELEASE_PER_TICK // 2
+    ticks = hand_out(parking, 1000)
+    assert [(t, len(v)) for t, v in ticks] == [(tick, RELEASE_PER_TICK), (tick + 1, RELEASE_PER_TICK), (tick + 2, 5)]
+    a = [x for _, v in ticks for x in v if x < 100_000]
+    assert a == list(range(RELEASE_PER_TICK + 5))  # each subject's oldest first
+    assert [len([x for x in v if x < 100_000]) for _, v in ticks] == [half, half, 5]
+    assert parking.park("b", [9], now_ms=1200, sent_ms=999) == 0  # begun before b's release: no verdict
     parking.park("d", [7], now_ms=1000, sent_ms=1000)
     parking.subjects["d"].streak = len(RELEASE_BACKOFF_S)  # d's releases keep coming too soon: put off 30 s
-    assert [t for t, _ in parking.release("d", now_ms=1000)] == [(1000 + 30_000) // TICK_MS]
+    parking.release("d", now_ms=1000)
     parking.park("e", [8], now_ms=1000, sent_ms=1000)
-    assert [t for t, _ in parking.release("e", now_ms=1000)] == [tick + 2]  # not held back by d's
+    parking.release("e", now_ms=1000)
+    assert hand_out(parking, 1000) == [(tick, [8]), ((1000 + 30_000) // TICK_MS, [7])]  # e not held back by d
     parking.park("c", [1], now_ms=60_000, sent_ms=60_000)
-    assert parking.release("c", now_ms=60_000) == [(60_000 // TICK_MS, array("q", [1]))]  # later: at once again
+    parking.release("c", now_ms=60_000)
+    assert hand_out(parking, 60_000) == [(60_000 // TICK_MS, [1])]  # later: at once again
+
+
+def test_a_small_subject_released_behind_a_large_backlog_goes_in_the_next_tick() -> None:
+    """First come, first served would hold it until the backlog's last tick (about 16,000 messages a
+    second: a minute behind a backlog of a million)."""
+    parking = Parking()
+    parking.park("large", range(10 * RELEASE_PER_TICK), now_ms=0, sent_ms=0)
+    parking.park("small", range(-10, 0), now_ms=0, sent_ms=0)
+    parking.release("large", now_ms=0)
+    assert len(parking.due_released(0)[0]) == RELEASE_PER_TICK  # the whole first tick
+    parking.release("small", now_ms=100)
+    assert parking.due_released(100) == []  # this tick is full
+    assert parking.next_release_ms(100) == TICK_MS
+    second = [x for part in parking.due_released(TICK_MS) for x in part]
+    assert [x for x in second if x < 0] == list(range(-10, 0)) and len(second) == RELEASE_PER_TICK
+    assert parking.releasing_count == 8 * RELEASE_PER_TICK + 10  # of the large one's, 8 ticks' worth left
+    assert parking.park("small", [-11], now_ms=600, sent_ms=TICK_MS - 1) == 0  # begun before its first tick
+
+
+def test_a_subject_parked_again_while_its_release_goes_takes_the_rest_back() -> None:
+    parking = Parking()
+    parking.park("s", range(3 * RELEASE_PER_TICK), now_ms=0, sent_ms=0)
+    parking.release("s", now_ms=0)
+    went = [x for part in parking.due_released(0) for x in part]
+    assert went == list(range(RELEASE_PER_TICK))
+    assert parking.park("s", went[:8], now_ms=400, sent_ms=100) == 1  # sent after the release: too soon
+    assert parking.releasing == {} and parking.releasing_count == 0
+    assert len(parking) == 8 + 2 * RELEASE_PER_TICK  # the failed ones, then the rest of the release
+    assert parking.due_released(TICK_MS) == [] and parking.next_release_ms(TICK_MS) is None
 
 
 def test_a_subject_whose_probe_took_its_last_messages_is_not_probed_until_more_are_parked() -> None:

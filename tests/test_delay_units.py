@@ -10,6 +10,7 @@ from datetime import datetime
 
 import pytest
 
+from delay_server import parking as parking_module
 from delay_server import records
 from delay_server import scheduler as scheduler_module
 from delay_server.cancels import Cancels
@@ -343,3 +344,51 @@ def test_a_deliverer_that_meets_an_unexpected_error_goes_on_delivering(processes
     with broker.connect() as conn:
         reply = conn.request(RequestCode.BROKER_STATS, {})
     assert reply["subjects"]["s"]["stored"] == 1
+
+
+def test_released_backlogs_go_back_tick_after_tick_until_every_message_is_delivered(
+    processes, tmp_path, monkeypatch
+) -> None:
+    """A subject's messages parked while its broker is down, five ticks' worth of release room (made
+    small here): once the broker is up, the scheduler wakes at each tick by itself to put the next
+    share back (the wheel is empty in between, nothing else would wake it), and every message reaches
+    the broker."""
+    from qmq.client.aio import AsyncClient
+    from tests.support.broker import start_broker
+    from tests.support.processes import free_port
+
+    monkeypatch.setattr(parking_module, "RELEASE_PER_TICK", 4)
+    port, count, brokers = free_port(), 20, []
+
+    async def run() -> dict[str, int]:
+        schedule, cancels, clock = ScheduleLog(tmp_path / "schedule", 60), Cancels(tmp_path / "cancels"), Clock()
+        real = clock.now_ms()
+        start = real - real % HOUR_MS + HOUR_MS
+        clock.offset_ms = start + 600_000 - real  # at the start of a tick, in the bucket's hour
+        schedule.append(start, _items(list(range(count)), start + 600_000))
+        async with AsyncClient(brokers=[f"127.0.0.1:{port}"]) as client:  # nothing listens there yet
+            scheduler = Scheduler(schedule, tmp_path / "dispatch", cancels, clock, client)
+            await scheduler.load_due()
+            scheduler.start()
+            try:
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 20
+                while len(scheduler.parking) < count and loop.time() < deadline:
+                    await asyncio.sleep(0.01)
+                assert len(scheduler.parking) == count, "the messages were not parked"
+                # from this thread, which outlives it (a child is killed with the thread that started it)
+                brokers.append(start_broker(processes, tmp_path / "broker", port=port))
+                deadline = loop.time() + 30
+                while scheduler.counters["fired"] < count and loop.time() < deadline:
+                    await asyncio.sleep(0.01)
+                return dict(scheduler.counters)
+            finally:
+                await scheduler.close()
+                schedule.close()
+                cancels.close()
+
+    counters = asyncio.run(run())
+    assert counters["fired"] == count
+    with brokers[0].connect() as conn:
+        reply = conn.request(RequestCode.BROKER_STATS, {})
+    assert reply["subjects"]["s"]["stored"] == count
