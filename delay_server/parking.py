@@ -13,8 +13,9 @@ Released backlogs go back to the wheel RELEASE_PER_TICK messages per tick, all s
 scheduler reads each tick's messages on its event loop, which must keep answering: after a meta
 server's outage every subject may be released at once). They wait here until their tick, and each
 tick's room is shared evenly among the subjects releasing (`due_released`, round robin): a small
-subject released behind a large backlog goes in its first tick, not after the backlog. A subject
-parked again while its release goes takes what is left of it back. A subject parked again by a send
+subject released behind a large backlog goes in the first tick with room, not after the backlog. A
+subject parked again by a send begun while its release went takes what is left of it back (it would
+meet the same brokers). A subject parked again by a send
 that began after its release went and no later than REPARK_WINDOW_S after its last tick (its brokers
 take a few messages, not the backlog: big batches time out, say) has its next release put off by
 RELEASE_BACKOFF_S, growing each time, so a flapping subject costs no more than each message's own
@@ -54,7 +55,7 @@ class ParkedSubject:
 
 @dataclass
 class Release:
-    at_ms: int  # its messages go from here
+    at_ms: int  # its messages go from here (from its first tick's start, once it has begun)
     until_ms: int  # its last tick goes here (so far, while it goes)
     streak: int  # of the subject when it was released
 
@@ -89,20 +90,24 @@ class Parking:
         the subject was parked already, else how many of its releases in a row came too soon (0: the
         first time in a while)."""
         parked = self.subjects.get(subject)
+        going = self.releasing.get(subject)
+        # A send begun once its release had begun going tells of the release (it came too soon); one
+        # begun before, or while the release waits for its first tick, tells nothing of it.
+        verdict = going is not None and going.sent > 0 and sent_ms >= going.release.at_ms
         streak = None
-        rest = self._stop_releasing(subject)
         if parked is None:
             last = self._released.get(subject)
             if last is None or sent_ms > last.until_ms + _ms(REPARK_WINDOW_S):
                 streak = 0  # a new outage
-            elif sent_ms >= last.at_ms:
+            elif sent_ms >= last.at_ms and (going is None or verdict):
                 streak = last.streak + 1  # the release came too soon
             else:
                 streak = last.streak  # a send begun before the release: it tells nothing of it
             parked = self.subjects[subject] = ParkedSubject(now_ms + _ms(PROBE_BACKOFF_S[0]), streak=streak)
         before = len(parked.values)
         parked.values.extend(values)
-        parked.values.extend(rest)  # what its release had not sent yet: it would meet the same brokers
+        if verdict:  # what its release had not sent yet would meet the same brokers: parked with them
+            parked.values.extend(self._stop_releasing(subject))
         self.count += len(parked.values) - before
         return streak
 
@@ -125,10 +130,14 @@ class Parking:
         self.count -= len(parked.values)
         delay_ms = _ms(RELEASE_BACKOFF_S[min(parked.streak, len(RELEASE_BACKOFF_S)) - 1]) if parked.streak else 0
         at_ms = now_ms + delay_ms
+        self.releasing_count += len(parked.values)
+        going = self.releasing.get(subject)
+        if going is not None:  # parked by a send that said nothing of its release, which goes on
+            going.values.extend(parked.values)
+            return len(parked.values)
         release = Release(at_ms, at_ms, parked.streak)
         if parked.values:
             self.releasing[subject] = Releasing(at_ms // TICK_MS, parked.values, release)
-            self.releasing_count += len(parked.values)
         self._forget_old_releases(now_ms)
         self._released[subject] = release
         return len(parked.values)
@@ -138,7 +147,7 @@ class Parking:
         RELEASE_PER_TICK, shared evenly among the subjects whose release has begun, round robin (a
         subject served goes to the back), each subject's oldest first."""
         tick = now_ms // TICK_MS
-        if tick != self._tick:
+        if tick > self._tick:  # (a clock stepped back stays within the later tick's room)
             self._tick, self._tick_used = tick, 0
         room = RELEASE_PER_TICK - self._tick_used
         out: list[array] = []
@@ -163,8 +172,9 @@ class Parking:
         return out
 
     def next_release_ms(self, now_ms: int) -> int | None:
-        """When `due_released` has something next: the next tick if this one's room is used up,
-        else the first tick of a release put off."""
+        """When `due_released` has something next: `now_ms` if a release has begun and this tick has
+        room left, the next tick if its room is used up, else the first tick of a release put off;
+        None when nothing is releasing."""
         if not self.releasing:
             return None
         tick = now_ms // TICK_MS
@@ -177,7 +187,7 @@ class Parking:
         burst of releases costs a constant time each)."""
         if len(self._released) > 2 * self._kept_after_prune + 1024:
             oldest = now_ms - _ms(REPARK_WINDOW_S)
-            self._released = {s: r for s, r in self._released.items() if r.until_ms >= oldest}
+            self._released = {s: r for s, r in self._released.items() if r.until_ms >= oldest or s in self.releasing}
             self._kept_after_prune = len(self._released)
 
     def due_probes(self, now_ms: int) -> list[array]:

@@ -13,6 +13,7 @@ from delay_server.parking import (
     RELEASE_PER_TICK,
     REPARK_WINDOW_S,
     Parking,
+    Release,
 )
 from delay_server.wheel import TICK_MS
 
@@ -116,6 +117,7 @@ def test_old_releases_are_forgotten() -> None:
     for n in range(subjects):
         parking.park(f"s{n}", [n], now_ms=n, sent_ms=n)
         parking.release(f"s{n}", now_ms=n * 1000)
+        parking.due_released(n * 1000)  # it goes at once: over
     assert len(parking._released) < subjects  # those more than REPARK_WINDOW_S old went
 
 
@@ -192,3 +194,48 @@ def test_a_subject_whose_last_probe_never_came_back_is_forgotten_in_the_end() ->
     assert parking.subjects == {} and len(parking) == 0
     later_ms = next_probe_ms + int(EMPTY_KEPT_S * 1000) + 1
     assert parking.park("s", [2], now_ms=later_ms, sent_ms=later_ms) == 0  # parked anew: a new outage
+
+
+def test_a_send_that_says_nothing_of_a_going_release_leaves_it_going() -> None:
+    """Begun before the release, or while it waited for its first tick: the failed messages are
+    parked, the release goes on whole, and the next release of the subject joins it."""
+    parking = Parking()
+    parking.park("large", range(10_000_000, 10_000_000 + RELEASE_PER_TICK), now_ms=0, sent_ms=0)
+    parking.park("s", range(2 * RELEASE_PER_TICK), now_ms=0, sent_ms=0)
+    parking.release("large", now_ms=0)
+    parking.due_released(0)  # the large one fills tick 0
+    parking.release("s", now_ms=100)  # its first tick is tick 1
+    assert parking.park("s", [-1], now_ms=300, sent_ms=200) == 0  # sent while it waited: nothing told
+    assert parking.releasing["s"].sent == 0 and parking.releasing_count == 2 * RELEASE_PER_TICK
+    went = [x for part in parking.due_released(TICK_MS) for x in part]
+    assert went == list(range(RELEASE_PER_TICK))  # it began at tick 1 all the same
+    assert parking.park("s", [-2], now_ms=TICK_MS + 100, sent_ms=50) is None  # begun before the release
+    assert parking.releasing_count == RELEASE_PER_TICK  # nothing taken back
+    assert parking.release("s", now_ms=TICK_MS + 200) == 2  # the failed ones join the release going
+    assert [x for part in parking.due_released(2 * TICK_MS) for x in part] == [
+        *range(RELEASE_PER_TICK, 2 * RELEASE_PER_TICK)
+    ]
+    assert [x for part in parking.due_released(3 * TICK_MS) for x in part] == [-1, -2]
+    assert parking.releasing == {} and parking.releasing_count == 0 and len(parking) == 0
+
+
+def test_a_clock_stepped_back_does_not_give_a_tick_its_room_twice() -> None:
+    parking = Parking()
+    parking.park("s", range(3 * RELEASE_PER_TICK), now_ms=0, sent_ms=0)
+    parking.release("s", now_ms=10 * TICK_MS)
+    assert len(parking.due_released(10 * TICK_MS)[0]) == RELEASE_PER_TICK
+    assert parking.due_released(9 * TICK_MS) == []  # stepped back: still within tick 10's room
+    assert parking.due_released(10 * TICK_MS + 1) == []
+    assert len(parking.due_released(11 * TICK_MS)[0]) == RELEASE_PER_TICK
+
+
+def test_a_release_waiting_for_room_is_remembered_past_the_window() -> None:
+    """Its verdict is still to come: its record must outlive the forgetting of old releases."""
+    parking = Parking()
+    parking.park("waiting", [1], now_ms=0, sent_ms=0)
+    parking.release("waiting", now_ms=0)  # not handed out yet (ticks full of others', say)
+    parking._released.update({f"old{n}": Release(0, 0, 0) for n in range(2000)})
+    later = int(REPARK_WINDOW_S * 1000) * 2
+    parking.park("other", [2], now_ms=later, sent_ms=later)
+    parking.release("other", now_ms=later)  # forgets the old releases
+    assert "old0" not in parking._released and "waiting" in parking._released

@@ -229,8 +229,9 @@ def workers_view(answers: list[Answer]) -> dict[str, Any]:
 
 def delay_view(answers: list[Answer]) -> dict[str, Any]:
     """{"servers": each delay server's pending messages, per hour bucket ahead, and those due but
-    waiting for a broker of their subject (parked: delay_server/parking.py) or for room to be read
-    (`due_waiting`: a backlog beyond --max-held); "errors"}."""
+    waiting for a broker of their subject (parked: delay_server/parking.py), released after such an
+    outage and going back tick by tick (`releasing`), or waiting for room to be read (`due_waiting`:
+    a backlog beyond --max-held); "errors"}."""
     servers = []
     for answer in answers:
         if not answer.ok:
@@ -247,6 +248,7 @@ def delay_view(answers: list[Answer]) -> dict[str, Any]:
                 "fired": reply.get("fired", 0),
                 "cancels_kept": reply.get("cancels_kept", 0),
                 "parked": reply.get("parked", 0),
+                "releasing": reply.get("releasing", 0),
                 "due_waiting": reply.get("due_waiting", 0),
                 "parked_subjects": [
                     {"subject": s, "count": n} for s, n in (reply.get("parked_subjects") or {}).items()
