@@ -5,7 +5,9 @@ routing of delayed messages."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 
 import pytest
@@ -298,11 +300,41 @@ def test_messages_held_for_their_millisecond_go_back_to_the_wheel_when_the_clock
     assert took < 5, f"the message due in 1 s went after {took:.1f} s"
 
 
+@contextlib.asynccontextmanager
+async def running_scheduler(tmp_path, broker_address: str, offsets: list[int]) -> AsyncIterator[Scheduler]:
+    """A started scheduler delivering to `broker_address`, its clock at the start of a tick in a
+    bucket's hour, with messages of subject "s" due `offsets` ms after it; closed afterwards."""
+    from qmq.client.aio import AsyncClient
+
+    schedule, cancels, clock = ScheduleLog(tmp_path / "schedule", 60), Cancels(tmp_path / "cancels"), Clock()
+    real = clock.now_ms()
+    start = real - real % HOUR_MS + HOUR_MS
+    clock.offset_ms = start + 600_000 - real
+    schedule.append(start, _items(offsets, start + 600_000))
+    async with AsyncClient(brokers=[broker_address]) as client:
+        scheduler = Scheduler(schedule, tmp_path / "dispatch", cancels, clock, client)
+        await scheduler.load_due()
+        scheduler.start()
+        try:
+            yield scheduler
+        finally:
+            await scheduler.close()
+            schedule.close()
+            cancels.close()
+
+
+async def wait_until(done: Callable[[], bool], timeout_s: float) -> None:
+    """Until `done()` or `timeout_s` passed (the caller asserts what it expected)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not done() and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def test_a_deliverer_that_meets_an_unexpected_error_goes_on_delivering(processes, tmp_path, monkeypatch) -> None:
     """An error the delivery does not expect (here: reading one message's body raises once) loses that
     batch until a restart, never the deliverer: with one deliverer, the message due a tick later is
     still delivered to a real broker."""
-    from qmq.client.aio import AsyncClient
     from tests.support.broker import start_broker
 
     broker = start_broker(processes, tmp_path / "broker")
@@ -318,25 +350,9 @@ def test_a_deliverer_that_meets_an_unexpected_error_goes_on_delivering(processes
     monkeypatch.setattr(records, "body_of", body_of_failing_once)
 
     async def run() -> dict[str, int]:
-        schedule, cancels, clock = ScheduleLog(tmp_path / "schedule", 60), Cancels(tmp_path / "cancels"), Clock()
-        real = clock.now_ms()
-        start = real - real % HOUR_MS + HOUR_MS
-        clock.offset_ms = start + 600_000 - real  # at the start of a tick, in the bucket's hour
-        schedule.append(start, _items([100, 700], start + 600_000))  # due in 0.1 s and in 0.7 s: two ticks
-        async with AsyncClient(brokers=[broker.address]) as client:
-            scheduler = Scheduler(schedule, tmp_path / "dispatch", cancels, clock, client)
-            await scheduler.load_due()
-            scheduler.start()
-            try:
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + 20
-                while scheduler.counters["fired"] == 0 and loop.time() < deadline:
-                    await asyncio.sleep(0.01)
-                return dict(scheduler.counters)
-            finally:
-                await scheduler.close()
-                schedule.close()
-                cancels.close()
+        async with running_scheduler(tmp_path, broker.address, [100, 700]) as scheduler:  # two ticks apart
+            await wait_until(lambda: scheduler.counters["fired"] > 0, 20)
+            return dict(scheduler.counters)
 
     counters = asyncio.run(run())
     assert len(failures) == 1, "the injected error did not happen"
@@ -353,7 +369,6 @@ def test_released_backlogs_go_back_tick_after_tick_until_every_message_is_delive
     small here): once the broker is up, the scheduler wakes at each tick by itself to put the next
     share back (the wheel is empty in between, nothing else would wake it), and every message reaches
     the broker."""
-    from qmq.client.aio import AsyncClient
     from tests.support.broker import start_broker
     from tests.support.processes import free_port
 
@@ -361,31 +376,14 @@ def test_released_backlogs_go_back_tick_after_tick_until_every_message_is_delive
     port, count, brokers = free_port(), 20, []
 
     async def run() -> dict[str, int]:
-        schedule, cancels, clock = ScheduleLog(tmp_path / "schedule", 60), Cancels(tmp_path / "cancels"), Clock()
-        real = clock.now_ms()
-        start = real - real % HOUR_MS + HOUR_MS
-        clock.offset_ms = start + 600_000 - real  # at the start of a tick, in the bucket's hour
-        schedule.append(start, _items(list(range(count)), start + 600_000))
-        async with AsyncClient(brokers=[f"127.0.0.1:{port}"]) as client:  # nothing listens there yet
-            scheduler = Scheduler(schedule, tmp_path / "dispatch", cancels, clock, client)
-            await scheduler.load_due()
-            scheduler.start()
-            try:
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + 20
-                while len(scheduler.parking) < count and loop.time() < deadline:
-                    await asyncio.sleep(0.01)
-                assert len(scheduler.parking) == count, "the messages were not parked"
-                # from this thread, which outlives it (a child is killed with the thread that started it)
-                brokers.append(start_broker(processes, tmp_path / "broker", port=port))
-                deadline = loop.time() + 30
-                while scheduler.counters["fired"] < count and loop.time() < deadline:
-                    await asyncio.sleep(0.01)
-                return dict(scheduler.counters)
-            finally:
-                await scheduler.close()
-                schedule.close()
-                cancels.close()
+        # nothing listens on the port yet
+        async with running_scheduler(tmp_path, f"127.0.0.1:{port}", list(range(count))) as scheduler:
+            await wait_until(lambda: len(scheduler.parking) == count, 20)
+            assert len(scheduler.parking) == count, "the messages were not parked"
+            # from this thread, which outlives it (a child is killed with the thread that started it)
+            brokers.append(start_broker(processes, tmp_path / "broker", port=port))
+            await wait_until(lambda: scheduler.counters["fired"] == count, 30)
+            return dict(scheduler.counters)
 
     counters = asyncio.run(run())
     assert counters["fired"] == count
