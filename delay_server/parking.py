@@ -14,14 +14,13 @@ scheduler reads each tick's messages on its event loop, which must keep answerin
 server's outage every subject may be released at once). They wait here until their tick, and each
 tick's room is shared evenly among the subjects releasing (`due_released`, round robin): a small
 subject released behind a large backlog goes in the first tick with room, not after the backlog. A
-subject parked again by a send begun while its release went takes what is left of it back (it would
-meet the same brokers). A subject parked again by a send
-that began after its release went and no later than REPARK_WINDOW_S after its last tick (its brokers
-take a few messages, not the backlog: big batches time out, say) has its next release put off by
-RELEASE_BACKOFF_S, growing each time, so a flapping subject costs no more than each message's own
-backoff did; a send that began before the release says nothing of it. A message refused for itself
-(too large, say) while others of its subject are stored is not parked: it backs off on its own
-(scheduler.py). Nothing here does I/O.
+subject parked again by a send that began after its release went and no later than REPARK_WINDOW_S
+after its last tick (its brokers take a few messages, not the backlog: big batches time out, say)
+takes back what its release has not sent yet (it would meet the same brokers) and has its next
+release put off by RELEASE_BACKOFF_S, growing each time, so a flapping subject costs no more than
+each message's own backoff did; a send that began before the release, or while it waited for its
+first tick, says nothing of it. A message refused for itself (too large, say) while others of its
+subject are stored is not parked: it backs off on its own (scheduler.py). Nothing here does I/O.
 """
 
 from __future__ import annotations
