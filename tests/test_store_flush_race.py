@@ -16,9 +16,10 @@ import threading
 import pytest
 
 from qmq.store.flush import FlushFailed
+from qmq.store.recovery_point import RecoveryPoint
 from qmq.store.segment import Segment
 from qmq.store.store import LogStore, Message
-from tests.support.stores import SMALL
+from tests.support.stores import FLUSHERS, SMALL, use_flusher
 
 WAIT_LIMIT_S = 10.0
 
@@ -40,7 +41,9 @@ class RoundDuringRegistration(dict):
         return super().get(key, default)
 
 
-def test_a_first_wait_covered_by_a_round_that_ended_meanwhile_returns(tmp_path) -> None:
+@pytest.mark.parametrize("flusher", FLUSHERS)
+def test_a_first_wait_covered_by_a_round_that_ended_meanwhile_returns(tmp_path, monkeypatch, flusher) -> None:
+    use_flusher(flusher, monkeypatch)
     with LogStore(tmp_path / "store", SMALL) as store:
         flusher = store.flusher
         [appended] = store.append([Message("orders", "m1", b"x")])
@@ -54,6 +57,7 @@ def test_a_first_wait_covered_by_a_round_that_ended_meanwhile_returns(tmp_path) 
 
 
 def test_no_fsync_runs_after_one_failed_even_before_its_round_finished(tmp_path, monkeypatch) -> None:
+    use_flusher("python", monkeypatch)  # the interleaving forced is the Python thread's; the C one's is below
     with LogStore(tmp_path / "store", SMALL) as store:
         flusher = store.flusher
         [appended] = store.append([Message("orders", "m1", b"x")])
@@ -80,3 +84,33 @@ def test_no_fsync_runs_after_one_failed_even_before_its_round_finished(tmp_path,
                 flusher.sync_now()
             assert len(calls) == 1 and flusher.durable_offset < appended.end
         monkeypatch.undo()
+
+
+def test_after_the_c_threads_fsync_failed_no_round_runs_and_every_waiter_hears_of_it(tmp_path, monkeypatch) -> None:
+    """The C thread (qmq/store/_sync_thread.pyx): its rounds and a caller's `sync_now` share one lock
+    and one failure, so once its fsync failed no fsync runs anywhere. A loop's waiter, a blocking
+    waiter and every later `sync_now` get `FlushFailed`; the recovery point stays where the last good
+    fsync left it, closing included."""
+    use_flusher("c", monkeypatch)
+    with LogStore(tmp_path / "store", SMALL) as store:
+        flusher = store.flusher
+        assert flusher.compiled
+        [first] = store.append([Message("orders", "m1", b"x")])
+        store.flusher.wait_durable(first.end, WAIT_LIMIT_S)
+        good = store.durable_offset
+        syncs = flusher.syncs
+        flusher._native.fail_next(errno.EIO)
+        [appended] = store.append([Message("orders", "m2", b"y")])
+
+        async def loop_waiter() -> None:
+            with pytest.raises(FlushFailed, match="EIO"):
+                await asyncio.wait_for(store.durable(appended.end), WAIT_LIMIT_S)
+
+        asyncio.run(loop_waiter())
+        with pytest.raises(FlushFailed):
+            flusher.wait_durable(appended.end, WAIT_LIMIT_S)
+        with pytest.raises(FlushFailed):
+            flusher.sync_now()
+        assert store.durable_offset == good < appended.end
+        assert flusher.syncs == syncs + 1  # the failed round, and none after it
+    assert RecoveryPoint(tmp_path / "store").load() == good

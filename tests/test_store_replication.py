@@ -16,7 +16,7 @@ from qmq.store.replication import ChunkError, check_chunk, split_chunk, truncate
 from qmq.store.segment import Segment
 from qmq.store.store import LogStore, Message, StoreError
 from qmq.store.verify import verify
-from tests.support.stores import SMALL, payload_for
+from tests.support.stores import FLUSHERS, SMALL, payload_for, use_flusher
 
 
 def fill(store: LogStore, count: int, subject: str = "s", start: int = 0) -> None:
@@ -83,7 +83,11 @@ def test_partial_or_corrupt_chunks_are_refused_whole(tmp_path) -> None:
         assert replica.end_offset == master.end_offset
 
 
-def test_a_chunk_appended_with_sync_now_is_durable_on_return_without_the_flusher_thread(tmp_path) -> None:
+@pytest.mark.parametrize("flusher", FLUSHERS)
+def test_a_chunk_appended_with_sync_now_is_durable_on_return_without_the_flusher_thread(
+    tmp_path, monkeypatch, flusher
+) -> None:
+    use_flusher(flusher, monkeypatch)
     with LogStore(tmp_path / "m", SMALL) as master, LogStore(tmp_path / "r", SMALL) as replica:
         fill(master, 300)  # across segment rolls: every segment written is synced
         rounds = replica.flusher.syncs
@@ -99,7 +103,9 @@ def test_a_chunk_appended_with_sync_now_is_durable_on_return_without_the_flusher
     assert verify(tmp_path / "r").ok
 
 
-def test_a_failed_fsync_of_sync_now_turns_the_replica_read_only(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("flusher", FLUSHERS)
+def test_a_failed_fsync_of_sync_now_turns_the_replica_read_only(tmp_path, monkeypatch, flusher) -> None:
+    use_flusher(flusher, monkeypatch)
     with LogStore(tmp_path / "m", SMALL) as master, LogStore(tmp_path / "r", SMALL) as replica:
         fill(master, 40)
         first = master.read_chunk(0, 2000)
@@ -109,7 +115,10 @@ def test_a_failed_fsync_of_sync_now_turns_the_replica_read_only(tmp_path, monkey
         def failing_sync(segment) -> None:
             raise OSError(errno.EIO, "injected: EIO on fdatasync")
 
-        monkeypatch.setattr(Segment, "sync", failing_sync)
+        if flusher == "python":
+            monkeypatch.setattr(Segment, "sync", failing_sync)
+        else:
+            replica.flusher._native.fail_next(errno.EIO)
         with pytest.raises(StoreError, match=r"read-only.*EIO"):
             replica.append_replicated(master.read_chunk(durable, 2000), durable, sync_now=True)
         assert replica.durable_offset == durable  # nothing past the failed fsync is said durable

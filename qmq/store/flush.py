@@ -5,22 +5,33 @@ previous one ran, so throughput grows with the number of concurrent writers whil
 "durable" only after its bytes are on disk. With `async`, appends are acknowledged at once and a flush
 runs every interval. An fsync failure is fatal for the store: the page cache may have dropped the
 data, so every waiter gets the error and so does every later append (PostgreSQL's "fsyncgate" lesson).
+
+With `sync`, the fsync thread is C where it is built (qmq/store/_sync_thread.pyx): it never takes the
+GIL, so a flush starts as soon as it is asked for and an event loop learns of it through its own
+eventfd, instead of waiting for the GIL twice (docs/benchmarks.md, an eighteenth machine). The Python
+thread below is its original, and does the `async` mode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from enum import StrEnum
 
+from qmq.compiled import load
 from qmq.metrics import Histogram
 from qmq.store.message_log import MessageLog
+from qmq.store.recovery_point import RecoveryPoint
+
+sync_thread = load("qmq.store._sync_thread")  # None: not built, or turned off (qmq/compiled.py)
 
 log = logging.getLogger("qmq.store")
 
@@ -56,16 +67,15 @@ class Flusher:
         mode: FlushMode = FlushMode.SYNC,
         interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS,
         commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS,
-        on_synced: Callable[[int], None] | None = None,
+        recovery_point: RecoveryPoint | None = None,
     ) -> None:
-        """`on_synced(end)` runs on the flusher thread after each successful fsync (the store records
-        its durable recovery point there, recovery_point.py)."""
+        """`recovery_point` is recorded after each successful fsync, before anyone learns of it."""
         self.message_log = message_log
-        self.on_synced = on_synced
+        self.recovery_point = recovery_point
         self.mode = FlushMode(mode)
         self.interval_s = interval_ms / 1000
         self.commit_window_s = commit_window_ms / 1000
-        self.durable_offset = message_log.end_offset
+        self._durable = message_log.end_offset
         self.error: BaseException | None = None
         # fsync rounds so far, by the flusher thread and by `sync_now` on a caller's thread: two
         # counters, each only ever growing, as the metrics that read them must (qmq/metrics.py)
@@ -80,12 +90,43 @@ class Flusher:
         self._cond = threading.Condition()
         self._loops: dict[asyncio.AbstractEventLoop, _LoopWaiters] = {}
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="qmq-flusher", daemon=True)
+        self._point_errno = 0  # the C thread's last failure to record the recovery point, once logged
+        self._native = None
+        target = self._run
+        if self.mode is FlushMode.SYNC and sync_thread is not None and hasattr(os, "eventfd"):  # eventfd: Linux
+            point_fd = -1 if recovery_point is None else recovery_point.open()
+            self._native = sync_thread.SyncThread(self._durable, point_fd, self.commit_window_s, COMMIT_SIBLINGS)
+            target = self._native.run
+        self._thread = threading.Thread(target=target, name="qmq-flusher", daemon=True)
         self._thread.start()
+
+    @property
+    def durable_offset(self) -> int:
+        """Everything before it is fsynced."""
+        if self._native is None:
+            return self._durable
+        return min(self._native.synced_end, self.message_log.end_offset)  # a failed append taken back: forget_after
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the fsync thread is the C one."""
+        return self._native is not None
 
     def request(self, offset: int) -> None:
         """Ask for a flush that covers `offset` (sync mode flushes at once; async at the next tick)."""
         if offset <= self.durable_offset:
+            return
+        if self._native is not None:
+            if offset > self._requested:
+                self._requested = offset
+            # the round covers all appended so far, as the Python thread's does (a failed append taken
+            # back lowers it again: forget_after)
+            end, files = self.message_log.sync_files()
+            if not self._native.ask(max(offset, end), files):
+                # more sealed segments than one round takes (never seen: each append asks for a flush)
+                self.message_log.sync()
+                end, files = self.message_log.sync_files()
+                self._native.ask(max(offset, end), files)
             return
         with self._cond:
             if offset > self._requested:
@@ -109,18 +150,31 @@ class Flusher:
         saves `request`'s hand-off to the flusher thread and the wake-up back. Raises `FlushFailed`
         when this fsync or an earlier one failed (the store is then read-only)."""
         self.check()
-        end, error = self._sync()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        self._finish(end, error, loop)
+        if self._native is not None:
+            self._native.sync_here(*self.message_log.sync_files())
+            durable, error = self._collect()
+            waiters = self._loops.get(loop) if loop is not None else None
+            if waiters is not None:
+                waiters.settle(durable, error)
+        else:
+            end, error = self._sync()
+            self._finish(end, error, loop)
         self.check()
         return self.durable_offset
 
     def wait_durable(self, offset: int, timeout: float | None = None) -> None:
         """Block until everything before `offset` is durable. Raises `FlushFailed` or `TimeoutError`."""
         self.request(offset)
+        if self._native is not None:
+            if not self._native.wait_synced(offset, -1.0 if timeout is None else timeout):
+                raise TimeoutError(f"offset {offset} not durable within {timeout}s")
+            self._collect()
+            self.check()
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self.durable_offset < offset and self.error is None:
@@ -178,8 +232,11 @@ class Flusher:
             return None
         waiters = self._loops.get(loop)
         if waiters is None:
+            waiters = _LoopWaiters(loop)
+            if self._native is not None:
+                waiters.listen(self._native, self._collect)
             with self._cond:
-                waiters = self._loops.setdefault(loop, _LoopWaiters(loop))
+                self._loops[loop] = waiters
             # A round that ended before this loop was registered woke nobody here: look again. One
             # that ends from now on wakes this loop, and its settle runs after the `add` that follows.
             self.check()
@@ -219,8 +276,7 @@ class Flusher:
             started = time.monotonic()
             try:
                 end = self.message_log.sync()
-                if self.on_synced is not None:
-                    self.on_synced(end)
+                self._record_point(end)
             except OSError as exc:
                 log.critical("fsync of the message log failed, the store stops accepting writes: %s", exc)
                 self.error = self.error or exc  # before the lock goes: no other round may fsync after it
@@ -247,7 +303,7 @@ class Flusher:
             else:
                 self.syncs_here += 1
             if error is None and self.error is None:  # a failed append taken back meanwhile (store.py) lowered the end
-                self.durable_offset = max(self.durable_offset, min(end, self.message_log.end_offset))
+                self._durable = max(self._durable, min(end, self.message_log.end_offset))
             elif self.error is None:
                 self.error = error
             self._cond.notify_all()
@@ -264,11 +320,15 @@ class Flusher:
     def forget_after(self, end: int) -> None:
         """The log was cut back to `end` (a failed append taken back): nothing past it is durable."""
         with self._cond:
-            self.durable_offset = min(self.durable_offset, end)
+            self._durable = min(self._durable, end)
             self._requested = min(self._requested, end)
+        if self._native is not None:
+            self._native.lower_point(end)
 
     def check(self) -> None:
         """Raise if the store can no longer make writes durable."""
+        if self._native is not None and self.error is None and self._native.failed_errno:
+            self._collect()
         if self.error is not None:
             raise FlushFailed(f"an earlier flush failed, the store is read-only: {self.error}")
 
@@ -277,7 +337,56 @@ class Flusher:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if self._native is None:
+            self._thread.join()
+            return
+        self._native.stop()
         self._thread.join()
+        self._native.sync_here(*self.message_log.sync_files())
+        self._collect()
+        with self._cond:
+            loops, self._loops = list(self._loops.values()), {}
+        for waiters in loops:
+            waiters.unlisten(self._native)
+
+    def _record_point(self, end: int) -> None:
+        if self.recovery_point is None:
+            return
+        try:
+            self.recovery_point.record(end)
+        except OSError as exc:  # the point only stays lower: recovery is stricter about nothing
+            log.warning("cannot record the durable recovery point: %s", exc)
+
+    def _observe_fsyncs(self, fsyncs: list[tuple[float, float]]) -> None:
+        """The C thread's fsyncs since the last look: (start, seconds) each."""
+        for _, seconds in fsyncs:
+            self.sync_seconds.observe(seconds)
+        if fsyncs:
+            self.last_sync_s = fsyncs[-1][1]
+
+    def _collect(self) -> tuple[int, BaseException | None]:
+        """Take in what the C thread did since the last look (its rounds, their fsync times, a failed
+        fsync); the durable end and the error, if any. Any thread."""
+        assert self._native is not None
+        synced, failed, rounds, here, durations, point_errno = self._native.collect()
+        with self._cond:
+            if failed and self.error is None:
+                name = errno.errorcode.get(failed, str(failed))
+                self.error = OSError(failed, f"{name} on fdatasync: {os.strerror(failed)}")
+                log.critical("fsync of the message log failed, the store stops accepting writes: %s", self.error)
+            self.syncs_by_thread, self.syncs_here = rounds - here, here
+            self._observe_fsyncs(durations)
+            if point_errno != self._point_errno:
+                self._point_errno = point_errno
+                if point_errno:
+                    log.warning("cannot record the durable recovery point: %s", os.strerror(point_errno))
+            closed = [w for w in self._loops.values() if w.loop.is_closed()]
+            for waiters in closed:
+                del self._loops[waiters.loop]
+        for waiters in closed:
+            waiters.unlisten(self._native)
+        self.message_log.synced_to(synced)
+        return synced, self.error
 
 
 Waiter = asyncio.Future | Callable[[FlushFailed | None], None]  # `durable`'s future, `when_durable`'s callback
@@ -290,6 +399,47 @@ class _LoopWaiters:
         self.loop = loop
         self.pending: list[tuple[int, int, Waiter]] = []  # a heap
         self._count = itertools.count()
+        self._efd = -1  # the eventfd the C thread writes after each round (`listen`)
+        self._collect: Callable[[], tuple[int, BaseException | None]] | None = None
+
+    def listen(self, native: object, collect: Callable[[], tuple[int, BaseException | None]]) -> None:
+        """Be woken by the C thread's rounds: on the loop's thread, once."""
+        self._collect = collect
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.loop.add_reader(self._efd, self._woken)
+        native.add_loop(self._efd)  # type: ignore[attr-defined]
+
+    def unlisten(self, native: object) -> None:
+        """No more wake-ups: the C thread lets go of the eventfd at once, the loop (on its thread) and
+        the descriptor after."""
+        if self._efd < 0:
+            return
+        native.remove_loop(self._efd)  # type: ignore[attr-defined]
+        efd, self._efd = self._efd, -1
+
+        def close() -> None:
+            with contextlib.suppress(Exception):  # the loop may be closing
+                self.loop.remove_reader(efd)
+            os.close(efd)
+
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop or self.loop.is_closed():
+            close()
+        else:
+            try:
+                self.loop.call_soon_threadsafe(close)
+            except RuntimeError:  # closed meanwhile
+                os.close(efd)
+
+    def _woken(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._efd)
+        assert self._collect is not None
+        durable, error = self._collect()
+        self.settle(durable, error)
 
     def add(self, offset: int, waiter: Waiter) -> None:
         heapq.heappush(self.pending, (offset, next(self._count), waiter))

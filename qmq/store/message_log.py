@@ -126,6 +126,20 @@ class MessageLog:
             segment.sync()
         return end
 
+    def sync_files(self) -> tuple[int, list[int]]:
+        """The end appended so far and the descriptors of the files an fsync must cover for it: the
+        segments sealed since the last `sync` (or `synced_to`), then the active one. For an fsync
+        run elsewhere (the C flusher thread, qmq/store/_sync_thread.pyx)."""
+        with self._lock:
+            return self.end_offset, [segment.fd for segment in (*self._unsynced, self.active)]
+
+    def synced_to(self, end: int) -> None:
+        """An fsync run elsewhere covered everything before `end`: the sealed segments before it
+        need none any more."""
+        with self._lock:
+            if self._unsynced:
+                self._unsynced = [segment for segment in self._unsynced if segment.end > end]
+
     def segment_for(self, offset: int) -> Segment | None:
         with self._lock:
             i = bisect.bisect_right(self._bases, offset) - 1

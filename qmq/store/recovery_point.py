@@ -39,10 +39,16 @@ class RecoveryPoint:
         offset, crc = POINT.unpack(data)
         return offset if checksum.crc32(data[:8]) == crc else 0
 
-    def record(self, offset: int) -> None:
-        """Say everything before `offset` is fsynced (called by the flusher after each fsync)."""
+    def open(self) -> int:
+        """The file's descriptor, opened (created) on first use: the C flusher thread writes the
+        point itself, in this format (qmq/store/_sync_thread.pyx)."""
         if self.fd < 0:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        return self.fd
+
+    def record(self, offset: int) -> None:
+        """Say everything before `offset` is fsynced (called by the flusher after each fsync)."""
+        self.open()
         self.last = offset
         packed = struct.pack(">Q", offset)
         os.pwrite(self.fd, packed + struct.pack(">I", checksum.crc32(packed)), 0)

@@ -166,7 +166,7 @@ class LogStore:
             self.config.flush,
             self.config.flush_interval_ms,
             self.config.commit_window_ms,
-            on_synced=self._record_recovery_point,
+            recovery_point=self._recovery_point,
         )
         self._stop = threading.Event()
         self._background: threading.Thread | None = None
@@ -179,12 +179,6 @@ class LogStore:
             self.scrub.start()
 
     # ---- opening ----------------------------------------------------------------------------
-
-    def _record_recovery_point(self, end: int) -> None:
-        try:
-            self._recovery_point.record(end)
-        except OSError as exc:  # the point only stays lower: recovery is stricter about nothing
-            log.warning("cannot record the durable recovery point: %s", exc)
 
     def _recover(self) -> RecoveryReport:
         """Check the log, then bring the derived logs up to its end (module recovery.py)."""

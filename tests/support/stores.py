@@ -31,3 +31,16 @@ def assert_log_verifies(data_dir) -> None:
         timeout=120,
     )
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+FLUSHERS = ("c", "python")  # the fsync thread of `--flush sync`: C (qmq/store/_sync_thread.pyx) or its original
+
+
+def use_flusher(kind: str, monkeypatch) -> None:
+    """Stores opened from now on in this test fsync with the C thread ("c") or the Python one."""
+    from qmq.store import flush
+
+    if kind == "python":
+        monkeypatch.setattr(flush, "sync_thread", None)
+    else:
+        assert flush.sync_thread is not None, "qmq.store._sync_thread is not built (pip install -e . with Cython)"
