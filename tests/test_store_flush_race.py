@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,78 @@ def test_after_the_c_threads_fsync_failed_no_round_runs_and_every_waiter_hears_o
         assert store.durable_offset == good < appended.end
         assert flusher.syncs == syncs + 1  # the failed round, and none after it
     assert RecoveryPoint(tmp_path / "store").load() == good
+
+
+@pytest.mark.parametrize("flusher", FLUSHERS)
+@pytest.mark.parametrize("closer", ["loop", "thread"])
+def test_a_wait_pending_when_the_store_closes_is_settled_by_the_last_round(
+    tmp_path, monkeypatch, flusher, closer
+) -> None:
+    """An acknowledgement's wait lingers (`linger_s`) without asking for an fsync; the store closes
+    meanwhile, from its loop or from another thread: the close's last round covers it and settles
+    it, it does not hang."""
+    use_flusher(flusher, monkeypatch)
+    store = LogStore(tmp_path / "store", SMALL)
+    [appended] = store.append([Message("orders", "m1", b"x")])
+
+    async def scenario() -> None:
+        wait = asyncio.ensure_future(store.durable(appended.end, linger_s=WAIT_LIMIT_S * 3))
+        await asyncio.sleep(0)  # the wait registers
+        if closer == "loop":
+            store.close()
+        else:
+            await asyncio.to_thread(store.close)
+        await asyncio.wait_for(wait, WAIT_LIMIT_S)
+
+    asyncio.run(scenario())
+    assert store.durable_offset >= appended.end
+
+
+def test_a_flush_asked_for_across_a_failed_append_taken_back_claims_nothing_past_the_cut(tmp_path) -> None:
+    """A request reads the log's end, then the appending thread takes a failed append back
+    (`forget_after`) before the request reaches the C thread: the request is stale and ignored, so
+    bytes written later below that old end are not said durable without an fsync of their own."""
+    with LogStore(tmp_path / "store", SMALL) as store:
+        flusher, log = store.flusher, store.message_log
+        assert flusher.compiled
+        [first] = store.append([Message("orders", "m1", b"x")])
+        flusher.wait_durable(first.end, WAIT_LIMIT_S)
+        cut = log.end_offset
+        log.append([b"\0" * 200])  # a failing append's bytes, not taken back yet
+        old_end = log.end_offset
+        real_sync_files = log.sync_files
+
+        def taken_back_meanwhile():
+            files = real_sync_files()
+            log.undo_append(cut)
+            flusher.forget_after(cut)
+            return files
+
+        log.sync_files = taken_back_meanwhile
+        flusher.request(old_end)
+        log.sync_files = real_sync_files
+        syncs = flusher.syncs
+        [later] = store.append([Message("orders", "m2", b"y" * 300)])  # past the old end: not asked for
+        assert later.end > old_end
+        flusher.sync_now()  # a round to wait for: the stale request must not have run one before it
+        assert flusher.syncs == syncs + 1
+        assert RecoveryPoint(tmp_path / "store").load() == later.end
+
+
+def test_the_c_thread_leaves_no_eventfd_behind(tmp_path) -> None:
+    """Each loop that waited on a store gets an eventfd; closing the store, whether its loop ran
+    to the end, stopped or was closed after it, closes it."""
+    fds = Path("/proc/self/fd")
+    before = len(list(fds.iterdir()))
+    for i in range(5):
+        store = LogStore(tmp_path / f"store{i}", SMALL)
+        assert store.flusher.compiled
+        [appended] = store.append([Message("orders", "m1", b"x")])
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(store.durable(appended.end))
+        store.close()  # the loop stopped, not closed
+        loop.close()
+    with LogStore(tmp_path / "last", SMALL) as store:
+        [appended] = store.append([Message("orders", "m1", b"x")])
+        asyncio.run(store.durable(appended.end))
+    assert len(list(fds.iterdir())) == before

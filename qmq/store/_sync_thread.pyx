@@ -12,8 +12,9 @@ of every file that holds bytes before it succeeded; after one fsync fails no oth
 what an fsync covered. One round at a time, the thread's or a caller's (`sync_here`).
 """
 
-from libc.errno cimport errno, EBADF, EINTR
+from libc.errno cimport errno, EBADF, EINTR, EINVAL, ENOMEM
 from libc.stdint cimport int64_t, uint64_t, uint8_t
+from libc.stdlib cimport free, malloc
 from posix.time cimport clock_gettime, nanosleep, timespec, CLOCK_MONOTONIC
 from posix.unistd cimport fdatasync, pwrite, write
 
@@ -43,7 +44,6 @@ cdef extern from "zlib.h" nogil:
     unsigned long zlib_crc32 "crc32"(unsigned long crc, const unsigned char* buf, unsigned int length)
 
 cdef enum:
-    MAX_FILES = 64  # segments one round may fsync (the active one and those rolled since the last round)
     MAX_LOOPS = 64  # event loops woken after each round
     DURATIONS = 256  # fsync times kept until collected (for the fsync-time histogram)
 
@@ -62,8 +62,10 @@ cdef class SyncThread:
     cdef pthread_mutex_t round_mu  # one round at a time
     cdef pthread_cond_t asked  # the thread waits on it for a request
     cdef pthread_cond_t done  # blocking callers wait on it for a round's end
-    cdef int fds[MAX_FILES]
+    cdef int* fds  # the files of the latest request (malloc'd)
     cdef int nfds
+    cdef uint64_t cut_epoch  # raised by `lower_point`: a request read before it is stale
+    cdef bint is_shut  # `shut`: no round any more
     cdef int64_t requested  # the highest end asked for
     cdef int64_t synced  # every byte before it is fsynced
     cdef int failed  # errno of the failed fsync; 0 while none failed
@@ -102,32 +104,44 @@ cdef class SyncThread:
         self.siblings = siblings
 
     def __dealloc__(self):
+        free(self.fds)
         pthread_cond_destroy(&self.asked)
         pthread_cond_destroy(&self.done)
         pthread_mutex_destroy(&self.mu)
         pthread_mutex_destroy(&self.round_mu)
 
-    def ask(self, int64_t end, fds) -> bool:
-        """Ask for a round covering `end`, which lies in the files `fds` (their descriptors, the
-        oldest first). False when there are more files than one round takes: sync them here."""
-        return self._request(end, fds, True)
+    @property
+    def epoch(self) -> int:
+        """Read it before the files of a request: `ask` and `sync_here` refuse a request read
+        before the log was cut back (`lower_point`), which could name an end that is gone."""
+        return self.cut_epoch
 
-    cdef bint _request(self, int64_t end, fds, bint wake) except -1:
+    def ask(self, int64_t end, fds, uint64_t epoch) -> bool:
+        """Ask for a round covering `end`, which lies in the files `fds` (their descriptors, the
+        oldest first). False when the request is stale (`epoch`)."""
+        return self._request(end, fds, epoch, True)
+
+    cdef bint _request(self, int64_t end, fds, uint64_t epoch, bint wake) except -1:
         cdef int n = len(fds)
         cdef int i
-        if n > MAX_FILES:
-            return False
+        cdef bint fresh
+        cdef int* files = <int*>malloc(max(n, 1) * sizeof(int))
+        if files == NULL:
+            raise MemoryError()
+        for i in range(n):  # Python work before the lock: nothing that may let go of the GIL under it
+            files[i] = fds[i]
         pthread_mutex_lock(&self.mu)
-        if end > self.requested:
+        fresh = epoch == self.cut_epoch
+        if fresh and end > self.requested:
             self.requested = end
-            for i in range(n):
-                self.fds[i] = fds[i]
+            files, self.fds = self.fds, files
             self.nfds = n
             self.arrivals += self.syncing
             if wake:
                 pthread_cond_signal(&self.asked)
         pthread_mutex_unlock(&self.mu)
-        return True
+        free(files)  # the one not kept
+        return fresh
 
     def run(self) -> None:
         """The thread's body: rounds until `stop` (or a failed fsync); returns without running one
@@ -152,19 +166,19 @@ cdef class SyncThread:
             # Under load, let more appends share the next fsync (flush.py, DEFAULT_COMMIT_WINDOW_MS).
             since = _now_ns() - self.last_round_ns
             if busy and since < self.window_ns:
-                pause.tv_sec = 0
-                pause.tv_nsec = self.window_ns - since
+                pause.tv_sec = (self.window_ns - since) // 1000000000
+                pause.tv_nsec = (self.window_ns - since) % 1000000000
                 nanosleep(&pause, NULL)
             self._round(False)
             pthread_mutex_lock(&self.mu)
             self.syncing = False
         pthread_mutex_unlock(&self.mu)
 
-    def sync_here(self, int64_t end, fds) -> bool:
+    def sync_here(self, int64_t end, fds, uint64_t epoch) -> bool:
         """One round on the calling thread, covering at least `end` in the files `fds` (GIL
-        released). False when an fsync failed, this one or an earlier one."""
+        released). False when an fsync failed, this one or an earlier one, or the request is stale."""
         cdef bint ok
-        if not self._request(end, fds, False):  # not the thread's to run
+        if not self._request(end, fds, epoch, False):  # not the thread's to run
             return False
         with nogil:
             self._round(True)
@@ -176,7 +190,7 @@ cdef class SyncThread:
     cdef void _round(self, bint here) noexcept nogil:
         """fsync every file of the latest request, then say so: the recovery point first, then the
         synced end, then the waiters (the loops' eventfds and the blocking callers)."""
-        cdef int fds[MAX_FILES]
+        cdef int* fds
         cdef int nfds, i, rc, failed = 0
         cdef int64_t end, started, took
         cdef uint64_t one = 1
@@ -184,22 +198,31 @@ cdef class SyncThread:
         pthread_mutex_lock(&self.mu)
         end = self.requested
         nfds = self.nfds
-        for i in range(nfds):
-            fds[i] = self.fds[i]
-        if self.failed != 0 or end <= self.synced:  # no fsync after a failed one; nothing new to cover
+        # no fsync after a failed one, nor once shut; nothing new to cover
+        if self.failed != 0 or self.is_shut or end <= self.synced:
             pthread_mutex_unlock(&self.mu)
             pthread_mutex_unlock(&self.round_mu)
             return
-        failed, self.inject_errno = self.inject_errno, 0
+        fds = <int*>malloc(max(nfds, 1) * sizeof(int))
+        if fds == NULL:
+            nfds = 0
+            failed = ENOMEM
+        for i in range(nfds):
+            fds[i] = self.fds[i]
+        if failed == 0:
+            failed, self.inject_errno = self.inject_errno, 0
         pthread_mutex_unlock(&self.mu)
         started = _now_ns()
         i = 0
         while failed == 0 and i < nfds:
             rc = fdatasync(fds[i])
-            if rc == 0 or errno == EBADF:  # EBADF: a segment closed since (taken back or deleted) needs none
+            # EBADF, EINVAL (not a file: the number was reused): a segment closed since the request,
+            # taken back or deleted, needs no fsync
+            if rc == 0 or errno == EBADF or errno == EINVAL:
                 i += 1
             elif errno != EINTR:
                 failed = errno
+        free(fds)
         took = _now_ns() - started
         if failed == 0:
             self._record_point(end)
@@ -243,6 +266,7 @@ cdef class SyncThread:
         with nogil:
             pthread_mutex_lock(&self.round_mu)
             pthread_mutex_lock(&self.mu)
+            self.cut_epoch += 1
             if self.synced > end:
                 self.synced = end
             if self.requested > end:
@@ -254,7 +278,7 @@ cdef class SyncThread:
 
     def wait_synced(self, int64_t end, double timeout_s) -> bool:
         """Wait (GIL released) until `end` is synced or an fsync failed: True then; False when
-        `timeout_s` passed first (a negative timeout waits for ever)."""
+        `timeout_s` passed first (a negative timeout waits for ever) or it was shut."""
         cdef timespec deadline
         cdef int64_t at
         cdef bint ok
@@ -263,7 +287,7 @@ cdef class SyncThread:
             deadline.tv_sec = at // 1000000000
             deadline.tv_nsec = at % 1000000000
             pthread_mutex_lock(&self.mu)
-            while self.synced < end and self.failed == 0:
+            while self.synced < end and self.failed == 0 and not self.is_shut:
                 if timeout_s < 0:
                     pthread_cond_wait(&self.done, &self.mu)
                 elif pthread_cond_timedwait(&self.done, &self.mu, &deadline) != 0:
@@ -277,19 +301,28 @@ cdef class SyncThread:
         (start, seconds) of each fsync since the last collect (at most the last 256; the start on
         CLOCK_MONOTONIC, as `time.perf_counter`), errno of the last failure to record the recovery
         point or 0)."""
-        cdef list durations = []
-        cdef uint64_t first
-        pthread_mutex_lock(&self.mu)
+        cdef int64_t started[DURATIONS]
+        cdef int64_t took[DURATIONS]
+        cdef int n = 0
+        cdef uint64_t first, rounds, here
+        cdef int64_t synced
+        cdef int failed, point_errno
+        pthread_mutex_lock(&self.mu)  # C only under the lock: building objects may let go of the GIL
         first = self.durations_seen
         if self.rounds - first > DURATIONS:
             first = self.rounds - DURATIONS
         while first < self.rounds:
-            durations.append((self.started_ns[first % DURATIONS] / 1e9, self.durations_ns[first % DURATIONS] / 1e9))
+            started[n] = self.started_ns[first % DURATIONS]
+            took[n] = self.durations_ns[first % DURATIONS]
+            n += 1
             first += 1
         self.durations_seen = self.rounds
-        result = (self.synced, self.failed, self.rounds, self.here_rounds, durations, self.point_errno)
+        synced, failed, rounds, here, point_errno = (
+            self.synced, self.failed, self.rounds, self.here_rounds, self.point_errno
+        )
         pthread_mutex_unlock(&self.mu)
-        return result
+        durations = [(started[i] / 1e9, took[i] / 1e9) for i in range(n)]
+        return synced, failed, rounds, here, durations, point_errno
 
     @property
     def synced_end(self) -> int:
@@ -324,6 +357,18 @@ cdef class SyncThread:
         pthread_mutex_lock(&self.mu)
         self.inject_errno = error_number
         pthread_mutex_unlock(&self.mu)
+
+    def shut(self) -> None:
+        """No round any more, here or on the thread, and the recovery point's file is let go (after
+        any round in progress): for the store's close."""
+        with nogil:
+            pthread_mutex_lock(&self.round_mu)
+            pthread_mutex_lock(&self.mu)
+            self.is_shut = True
+            self.point_fd = -1
+            pthread_cond_broadcast(&self.done)
+            pthread_mutex_unlock(&self.mu)
+            pthread_mutex_unlock(&self.round_mu)
 
     def stop(self) -> None:
         """End `run` once its round in progress is over (the thread is joined by the caller)."""

@@ -119,14 +119,11 @@ class Flusher:
         if self._native is not None:
             if offset > self._requested:
                 self._requested = offset
-            # the round covers all appended so far, as the Python thread's does (a failed append taken
-            # back lowers it again: forget_after)
+            # The round covers all appended so far, as the Python thread's does. A failed append taken
+            # back meanwhile (forget_after) makes this request stale: the C thread ignores it.
+            epoch = self._native.epoch
             end, files = self.message_log.sync_files()
-            if not self._native.ask(max(offset, end), files):
-                # more sealed segments than one round takes (never seen: each append asks for a flush)
-                self.message_log.sync()
-                end, files = self.message_log.sync_files()
-                self._native.ask(max(offset, end), files)
+            self._native.ask(max(offset, end), files, epoch)
             return
         with self._cond:
             if offset > self._requested:
@@ -155,7 +152,8 @@ class Flusher:
         except RuntimeError:
             loop = None
         if self._native is not None:
-            self._native.sync_here(*self.message_log.sync_files())
+            epoch = self._native.epoch
+            self._native.sync_here(*self.message_log.sync_files(), epoch)
             durable, error = self._collect()
             waiters = self._loops.get(loop) if loop is not None else None
             if waiters is not None:
@@ -171,6 +169,8 @@ class Flusher:
         self.request(offset)
         if self._native is not None:
             if not self._native.wait_synced(offset, -1.0 if timeout is None else timeout):
+                if self._stopping:
+                    raise FlushFailed(f"the store was closed before offset {offset} was durable")
                 raise TimeoutError(f"offset {offset} not durable within {timeout}s")
             self._collect()
             self.check()
@@ -342,11 +342,21 @@ class Flusher:
             return
         self._native.stop()
         self._thread.join()
-        self._native.sync_here(*self.message_log.sync_files())
-        self._collect()
+        epoch = self._native.epoch
+        self._native.sync_here(*self.message_log.sync_files(), epoch)
+        durable, error = self._collect()
+        self._native.shut()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
         with self._cond:
             loops, self._loops = list(self._loops.values()), {}
-        for waiters in loops:
+        for waiters in loops:  # settled as the Python thread's last round does, then let go
+            if waiters.loop is running:
+                waiters.settle(durable, error)
+            elif not waiters.loop.is_closed():
+                waiters.wake(durable, error)
             waiters.unlisten(self._native)
 
     def _record_point(self, end: int) -> None:
@@ -405,9 +415,15 @@ class _LoopWaiters:
     def listen(self, native: object, collect: Callable[[], tuple[int, BaseException | None]]) -> None:
         """Be woken by the C thread's rounds: on the loop's thread, once."""
         self._collect = collect
-        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.loop.add_reader(self._efd, self._woken)
-        native.add_loop(self._efd)  # type: ignore[attr-defined]
+        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.loop.add_reader(efd, self._woken)
+        try:
+            native.add_loop(efd)  # type: ignore[attr-defined]
+        except BaseException:
+            self.loop.remove_reader(efd)
+            os.close(efd)
+            raise
+        self._efd = efd
 
     def unlisten(self, native: object) -> None:
         """No more wake-ups: the C thread lets go of the eventfd at once, the loop (on its thread) and
@@ -426,7 +442,7 @@ class _LoopWaiters:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if running is self.loop or self.loop.is_closed():
+        if running is self.loop or not self.loop.is_running():  # a loop not running runs no callback either
             close()
         else:
             try:
@@ -435,8 +451,11 @@ class _LoopWaiters:
                 os.close(efd)
 
     def _woken(self) -> None:
+        efd = self._efd
+        if efd < 0:  # let go of meanwhile (unlisten): nothing comes through it any more
+            return
         with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(self._efd)
+            os.eventfd_read(efd)
         assert self._collect is not None
         durable, error = self._collect()
         self.settle(durable, error)
