@@ -19,7 +19,9 @@ COMPILED = compiled is not None
 def describe() -> str:
     """One line for a server's start-up log."""
     if COMPILED:
-        return "compiled store loops (qmq.store._speedups)"
+        if load("qmq.store._sync_thread") is None:
+            return "compiled store loops (qmq.store._speedups), a Python fsync thread (_sync_thread not built)"
+        return "compiled store loops (qmq.store._speedups) and fsync thread (qmq.store._sync_thread)"
     if turned_off():
         return f"pure-Python store loops ({PURE_PYTHON_ENV} is set)"
     return "pure-Python store loops (qmq.store._speedups not built: install with Cython and a C compiler)"
