@@ -6,6 +6,8 @@ in this process, all on this machine (they share its cores).
                                                      # memory per pending message and restart time
     .venv/bin/python bench/delay.py spread           # scheduling 200,000 due over a year (8,760 buckets)
     .venv/bin/python bench/delay.py lateness         # 5,000 messages due per second, received by a consumer
+    .venv/bin/python bench/delay.py parking          # one pass of the fire loop over the parking, with
+                                                     # 100,000 subjects' releases put off (in process)
     .venv/bin/python bench/delay.py --tree /tmp/before  # the servers of another checkout
 
 Targets (issue 6): scheduling >= 50,000 msg/s (1 KiB, batched); 1,000,000 pending in the loaded
@@ -43,7 +45,8 @@ from qmq.protocol.codes import RequestCode
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 MINUTE_MS = 60_000
-CASES = ["pending", "spread", "lateness"]
+CASES = ["pending", "spread", "lateness", "parking"]
+PARKING_SUBJECTS = 100_000
 
 
 def free_port() -> int:
@@ -287,6 +290,27 @@ async def measure_lateness(broker: Server, server: Server, rate: int, seconds: i
     )
 
 
+def case_parking(subjects: int) -> None:
+    """After an outage, every subject released too soon has its next release put off: what one pass
+    of the scheduler's fire loop costs the parking then (`due_released`, `next_release_ms`). In this
+    process, from this checkout (not `--tree`)."""
+    from delay_server.parking import Parking
+
+    parking, now_ms = Parking(), 1_000_000
+    for i in range(subjects):
+        subject = f"s{i}"
+        parking.park(subject, [i], now_ms, now_ms)
+        parking.subjects[subject].streak = 3  # its last releases came too soon: the next one waits
+        parking.release(subject, now_ms)
+    passes = 200
+    started = time.perf_counter()
+    for k in range(passes):
+        parking.due_released(now_ms + k)
+        parking.next_release_ms(now_ms + k)
+    each_ms = (time.perf_counter() - started) / passes * 1000
+    print(f"parking: {subjects:,} releases put off: {each_ms:.4f} ms a fire-loop pass", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cases", nargs="*", metavar="CASE", help=f"of {', '.join(CASES)} (default: every case)")
@@ -312,6 +336,8 @@ def main() -> None:
             asyncio.run(case_spread(work, args.pending // 5))
         if "lateness" in cases:
             asyncio.run(case_lateness(work, args.rate, args.seconds))
+        if "parking" in cases:
+            case_parking(PARKING_SUBJECTS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

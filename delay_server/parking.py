@@ -25,6 +25,8 @@ subject are stored is not parked: it backs off on its own (scheduler.py). Nothin
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -75,8 +77,15 @@ class Parking:
         self.count = 0  # messages parked, probes out not counted
         self._released: dict[str, Release] = {}  # subject -> its last release
         self._kept_after_prune = 0
-        self.releasing: dict[str, Releasing] = {}  # backlogs going back to the wheel, next served first
+        self.releasing: dict[str, Releasing] = {}  # backlogs going back to the wheel
         self.releasing_count = 0  # their messages not yet in the wheel
+        # Of those, the subjects whose first tick came, each with its turn (the smallest is served next:
+        # a subject's turn is when it was released, or last served), and a heap of the others by first
+        # tick (an entry whose release is no longer in `releasing` is skipped): so a pass of the
+        # scheduler's fire loop costs what it hands out, not a look at every release put off.
+        self._begun: dict[str, int] = {}
+        self._starting: list[tuple[int, int, str, Releasing]] = []
+        self._turns = itertools.count()
         self._tick = -1  # the tick of `_tick_used`
         self._tick_used = 0  # released messages put into the wheel in that tick
 
@@ -113,6 +122,7 @@ class Parking:
     def _stop_releasing(self, subject: str) -> array:
         """What is left of `subject`'s release, taken back (it is parked again)."""
         going = self.releasing.pop(subject, None)
+        self._begun.pop(subject, None)
         if going is None:
             return array("q")
         rest = going.values[going.sent :]
@@ -136,7 +146,8 @@ class Parking:
             return len(parked.values)
         release = Release(at_ms, at_ms, parked.streak)
         if parked.values:
-            self.releasing[subject] = Releasing(at_ms // TICK_MS, parked.values, release)
+            going = self.releasing[subject] = Releasing(at_ms // TICK_MS, parked.values, release)
+            heapq.heappush(self._starting, (going.at_tick, next(self._turns), subject, going))
         self._forget_old_releases(now_ms)
         self._released[subject] = release
         return len(parked.values)
@@ -150,13 +161,13 @@ class Parking:
             self._tick, self._tick_used = tick, 0
         room = RELEASE_PER_TICK - self._tick_used
         out: list[array] = []
-        while room > 0:
-            begun = [subject for subject, going in self.releasing.items() if going.at_tick <= tick]
-            if not begun:
-                break
+        self._admit(tick)
+        while room > 0 and self._begun:
+            begun = sorted(self._begun, key=self._begun.__getitem__)
             share = max(1, room // len(begun))
             for subject in begun[:room]:
-                going = self.releasing.pop(subject)
+                going = self.releasing[subject]
+                del self._begun[subject]
                 if not going.sent:  # behind a full tick, it begins later than released
                     going.release.at_ms = max(going.release.at_ms, tick * TICK_MS)
                 take = min(share, len(going.values) - going.sent)
@@ -166,9 +177,20 @@ class Parking:
                 self.releasing_count -= take
                 going.release.until_ms = max(going.release.until_ms, tick * TICK_MS)
                 if going.sent < len(going.values):
-                    self.releasing[subject] = going  # to the back
+                    self._begun[subject] = next(self._turns)  # to the back
+                else:
+                    del self.releasing[subject]
         self._tick_used = RELEASE_PER_TICK - room
         return out
+
+    def _admit(self, tick: int) -> None:
+        """The releases whose first tick is `tick` or before join those served (for good: a clock
+        stepped back later does not stop a release that has begun)."""
+        starting = self._starting
+        while starting and starting[0][0] <= tick:
+            _, turn, subject, going = heapq.heappop(starting)
+            if self.releasing.get(subject) is going:
+                self._begun[subject] = turn
 
     def next_release_ms(self, now_ms: int) -> int | None:
         """When `due_released` has something next: `now_ms` if a release has begun and this tick has
@@ -177,9 +199,13 @@ class Parking:
         if not self.releasing:
             return None
         tick = now_ms // TICK_MS
-        if any(going.at_tick <= tick for going in self.releasing.values()):
-            return (tick + 1) * TICK_MS if tick == self._tick and self._tick_used >= RELEASE_PER_TICK else now_ms
-        return min(going.at_tick for going in self.releasing.values()) * TICK_MS
+        self._admit(tick)
+        if self._begun:  # room again after the tick whose room is used up (a clock stepped back: after that one)
+            return (self._tick + 1) * TICK_MS if tick <= self._tick and self._tick_used >= RELEASE_PER_TICK else now_ms
+        starting = self._starting
+        while starting and self.releasing.get(starting[0][2]) is not starting[0][3]:
+            heapq.heappop(starting)  # taken back since
+        return starting[0][0] * TICK_MS if starting else None
 
     def _forget_old_releases(self, now_ms: int) -> None:
         """Drop the releases too old to matter, once their number doubled since the last time (so a

@@ -229,6 +229,19 @@ def test_a_clock_stepped_back_does_not_give_a_tick_its_room_twice() -> None:
     assert len(parking.due_released(11 * TICK_MS)[0]) == RELEASE_PER_TICK
 
 
+def test_a_clock_stepped_back_while_a_release_goes_makes_the_fire_loop_wait_not_spin() -> None:
+    """The scheduler sleeps until `next_release_ms`: a time at which `due_released` hands out nothing
+    (this tick's room is used up) would have it wake again at once, for ever."""
+    parking = Parking()
+    parking.park("s", range(3 * RELEASE_PER_TICK), now_ms=0, sent_ms=0)
+    parking.release("s", now_ms=10 * TICK_MS)
+    assert len(parking.due_released(10 * TICK_MS)[0]) == RELEASE_PER_TICK
+    back = 9 * TICK_MS
+    when = parking.next_release_ms(back)
+    assert when is not None and back < when <= 11 * TICK_MS
+    assert len(parking.due_released(11 * TICK_MS)[0]) == RELEASE_PER_TICK
+
+
 def test_a_release_waiting_for_room_is_remembered_past_the_window() -> None:
     """Its verdict is still to come: its record must outlive the forgetting of old releases."""
     parking = Parking()
