@@ -56,7 +56,7 @@ def traced_broker(args: list[str]) -> None:
     pickled to $QMQ_BENCH_TRACE_OUT when it exits."""
     from qmq.broker import consuming, sending
     from qmq.cli import main
-    from qmq.store import flush, message_log
+    from qmq.store import flush, message_log, native_flush
 
     trace: dict[str, list] = defaultdict(list)
 
@@ -94,13 +94,13 @@ def traced_broker(args: list[str]) -> None:
         return end
 
     message_log.MessageLog.sync = timed_sync  # type: ignore[method-assign]
-    observe_fsyncs = flush.Flusher._observe_fsyncs
+    observe_fsyncs = native_flush.NativeFlusher._observe_fsyncs
 
-    def traced_fsyncs(self: flush.Flusher, fsyncs: list[tuple[float, float]]) -> None:  # the C thread's
+    def traced_fsyncs(self: native_flush.NativeFlusher, fsyncs: list[tuple[float, float]]) -> None:  # the C thread's
         trace["fsync"].extend((start, start + seconds, None) for start, seconds in fsyncs)
         observe_fsyncs(self, fsyncs)
 
-    flush.Flusher._observe_fsyncs = traced_fsyncs  # type: ignore[method-assign]
+    native_flush.NativeFlusher._observe_fsyncs = traced_fsyncs  # type: ignore[method-assign]
     request, settle = flush.Flusher.request, flush._LoopWaiters.settle
 
     def traced_request(self: flush.Flusher, offset: int) -> None:
@@ -225,7 +225,7 @@ def report(received: dict, trace: dict) -> None:
         previous_end = end
     if handed_over and settled_after:
         print(f"{'broker: flush asked for -> its fsync starts (the flusher thread)':66s} {quantiles(handed_over)}")
-        from qmq.store.flush import sync_thread
+        from qmq.store.native_flush import sync_thread
 
         print(f"# the broker's fsync thread: {'C' if sync_thread is not None else 'Python'}")
         print(f"{'broker: fsync done -> the loop settles its waiters':66s} {quantiles(settled_after)}")

@@ -6,17 +6,15 @@ previous one ran, so throughput grows with the number of concurrent writers whil
 runs every interval. An fsync failure is fatal for the store: the page cache may have dropped the
 data, so every waiter gets the error and so does every later append (PostgreSQL's "fsyncgate" lesson).
 
-With `sync`, the fsync thread is C where it is built (qmq/store/_sync_thread.pyx): it never takes the
-GIL, so a flush starts as soon as it is asked for and an event loop learns of it through its own
-eventfd, instead of waiting for the GIL twice (docs/benchmarks.md, an eighteenth machine). The Python
-thread below is its original, and does the `async` mode.
+The fsync thread here is Python. With `sync`, where qmq/store/_sync_thread.pyx is built, `new_flusher`
+gives the `NativeFlusher` of qmq/store/native_flush.py instead: the same promises, with a C thread
+that never takes the GIL (docs/benchmarks.md, an eighteenth machine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import heapq
 import itertools
 import logging
@@ -26,12 +24,9 @@ import time
 from collections.abc import Callable
 from enum import StrEnum
 
-from qmq.compiled import load
 from qmq.metrics import Histogram
 from qmq.store.message_log import MessageLog
 from qmq.store.recovery_point import RecoveryPoint
-
-sync_thread = load("qmq.store._sync_thread")  # None: not built, or turned off (qmq/compiled.py)
 
 log = logging.getLogger("qmq.store")
 
@@ -83,47 +78,30 @@ class Flusher:
         self.syncs_here = 0
         self.last_sync_s = 0.0  # how long the last fsync took
         self.sync_seconds = Histogram(FSYNC_BUCKETS_S)  # every fsync round's time
-        self._sync_lock = threading.Lock()  # one fsync round (and its `on_synced`) at a time
+        self._sync_lock = threading.Lock()  # one fsync round (and its recovery point) at a time
         self._requested = 0  # highest offset someone waits for
         self._syncing = False
         self._arrivals = 0  # flush requests that came while the current fsync ran
         self._cond = threading.Condition()
         self._loops: dict[asyncio.AbstractEventLoop, _LoopWaiters] = {}
         self._stopping = False
-        self._point_errno = 0  # the C thread's last failure to record the recovery point, once logged
-        self._native = None
-        target = self._run
-        if self.mode is FlushMode.SYNC and sync_thread is not None and hasattr(os, "eventfd"):  # eventfd: Linux
-            point_fd = -1 if recovery_point is None else recovery_point.open()
-            self._native = sync_thread.SyncThread(self._durable, point_fd, self.commit_window_s, COMMIT_SIBLINGS)
-            target = self._native.run
-        self._thread = threading.Thread(target=target, name="qmq-flusher", daemon=True)
-        self._thread.start()
+        self._thread = self._start_thread()
+
+    compiled = False  # whether the fsync thread is C (NativeFlusher)
+
+    def _start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="qmq-flusher", daemon=True)
+        thread.start()
+        return thread
 
     @property
     def durable_offset(self) -> int:
         """Everything before it is fsynced."""
-        if self._native is None:
-            return self._durable
-        return min(self._native.synced_end, self.message_log.end_offset)  # a failed append taken back: forget_after
-
-    @property
-    def compiled(self) -> bool:
-        """Whether the fsync thread is the C one."""
-        return self._native is not None
+        return self._durable
 
     def request(self, offset: int) -> None:
         """Ask for a flush that covers `offset` (sync mode flushes at once; async at the next tick)."""
         if offset <= self.durable_offset:
-            return
-        if self._native is not None:
-            if offset > self._requested:
-                self._requested = offset
-            # The round covers all appended so far, as the Python thread's does. A failed append taken
-            # back meanwhile (forget_after) makes this request stale: the C thread ignores it.
-            epoch = self._native.epoch
-            end, files = self.message_log.sync_files()
-            self._native.ask(max(offset, end), files, epoch)
             return
         with self._cond:
             if offset > self._requested:
@@ -147,34 +125,18 @@ class Flusher:
         saves `request`'s hand-off to the flusher thread and the wake-up back. Raises `FlushFailed`
         when this fsync or an earlier one failed (the store is then read-only)."""
         self.check()
+        end, error = self._sync()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if self._native is not None:
-            epoch = self._native.epoch
-            self._native.sync_here(*self.message_log.sync_files(), epoch)
-            durable, error = self._collect()
-            waiters = self._loops.get(loop) if loop is not None else None
-            if waiters is not None:
-                waiters.settle(durable, error)
-        else:
-            end, error = self._sync()
-            self._finish(end, error, loop)
+        self._finish(end, error, loop)
         self.check()
         return self.durable_offset
 
     def wait_durable(self, offset: int, timeout: float | None = None) -> None:
         """Block until everything before `offset` is durable. Raises `FlushFailed` or `TimeoutError`."""
         self.request(offset)
-        if self._native is not None:
-            if not self._native.wait_synced(offset, -1.0 if timeout is None else timeout):
-                if self._stopping:
-                    raise FlushFailed(f"the store was closed before offset {offset} was durable")
-                raise TimeoutError(f"offset {offset} not durable within {timeout}s")
-            self._collect()
-            self.check()
-            return
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self.durable_offset < offset and self.error is None:
@@ -232,9 +194,7 @@ class Flusher:
             return None
         waiters = self._loops.get(loop)
         if waiters is None:
-            waiters = _LoopWaiters(loop)
-            if self._native is not None:
-                waiters.listen(self._native, self._collect)
+            waiters = self._new_waiters(loop)
             with self._cond:
                 self._loops[loop] = waiters
             # A round that ended before this loop was registered woke nobody here: look again. One
@@ -243,6 +203,10 @@ class Flusher:
             if offset <= self.durable_offset:
                 return None
         return waiters
+
+    def _new_waiters(self, loop: asyncio.AbstractEventLoop) -> _LoopWaiters:
+        """What registers `loop` to be woken after each round (on the loop's thread)."""
+        return _LoopWaiters(loop)
 
     def _run(self) -> None:
         last_sync = 0.0
@@ -322,13 +286,9 @@ class Flusher:
         with self._cond:
             self._durable = min(self._durable, end)
             self._requested = min(self._requested, end)
-        if self._native is not None:
-            self._native.lower_point(end)
 
     def check(self) -> None:
         """Raise if the store can no longer make writes durable."""
-        if self._native is not None and self.error is None and self._native.failed_errno:
-            self._collect()
         if self.error is not None:
             raise FlushFailed(f"an earlier flush failed, the store is read-only: {self.error}")
 
@@ -337,27 +297,7 @@ class Flusher:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._native is None:
-            self._thread.join()
-            return
-        self._native.stop()
         self._thread.join()
-        epoch = self._native.epoch
-        self._native.sync_here(*self.message_log.sync_files(), epoch)
-        durable, error = self._collect()
-        self._native.shut()
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        with self._cond:
-            loops, self._loops = list(self._loops.values()), {}
-        for waiters in loops:  # settled as the Python thread's last round does, then let go
-            if waiters.loop is running:
-                waiters.settle(durable, error)
-            elif not waiters.loop.is_closed():
-                waiters.wake(durable, error)
-            waiters.unlisten(self._native)
 
     def _record_point(self, end: int) -> None:
         if self.recovery_point is None:
@@ -367,36 +307,22 @@ class Flusher:
         except OSError as exc:  # the point only stays lower: recovery is stricter about nothing
             log.warning("cannot record the durable recovery point: %s", exc)
 
-    def _observe_fsyncs(self, fsyncs: list[tuple[float, float]]) -> None:
-        """The C thread's fsyncs since the last look: (start, seconds) each."""
-        for _, seconds in fsyncs:
-            self.sync_seconds.observe(seconds)
-        if fsyncs:
-            self.last_sync_s = fsyncs[-1][1]
 
-    def _collect(self) -> tuple[int, BaseException | None]:
-        """Take in what the C thread did since the last look (its rounds, their fsync times, a failed
-        fsync); the durable end and the error, if any. Any thread."""
-        assert self._native is not None
-        synced, failed, rounds, here, durations, point_errno = self._native.collect()
-        with self._cond:
-            if failed and self.error is None:
-                name = errno.errorcode.get(failed, str(failed))
-                self.error = OSError(failed, f"{name} on fdatasync: {os.strerror(failed)}")
-                log.critical("fsync of the message log failed, the store stops accepting writes: %s", self.error)
-            self.syncs_by_thread, self.syncs_here = rounds - here, here
-            self._observe_fsyncs(durations)
-            if point_errno != self._point_errno:
-                self._point_errno = point_errno
-                if point_errno:
-                    log.warning("cannot record the durable recovery point: %s", os.strerror(point_errno))
-            closed = [w for w in self._loops.values() if w.loop.is_closed()]
-            for waiters in closed:
-                del self._loops[waiters.loop]
-        for waiters in closed:
-            waiters.unlisten(self._native)
-        self.message_log.synced_to(synced)
-        return synced, self.error
+def new_flusher(
+    message_log: MessageLog,
+    mode: FlushMode = FlushMode.SYNC,
+    interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS,
+    commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS,
+    recovery_point: RecoveryPoint | None = None,
+) -> Flusher:
+    """The store's flusher: with `sync`, the one whose fsync thread is C where it is built (and the
+    system has eventfd: Linux); else the Python one."""
+    from qmq.store import native_flush
+
+    flusher = Flusher
+    if FlushMode(mode) is FlushMode.SYNC and native_flush.sync_thread is not None and hasattr(os, "eventfd"):
+        flusher = native_flush.NativeFlusher
+    return flusher(message_log, mode, interval_ms, commit_window_ms, recovery_point)
 
 
 Waiter = asyncio.Future | Callable[[FlushFailed | None], None]  # `durable`'s future, `when_durable`'s callback
@@ -409,56 +335,6 @@ class _LoopWaiters:
         self.loop = loop
         self.pending: list[tuple[int, int, Waiter]] = []  # a heap
         self._count = itertools.count()
-        self._efd = -1  # the eventfd the C thread writes after each round (`listen`)
-        self._collect: Callable[[], tuple[int, BaseException | None]] | None = None
-
-    def listen(self, native: object, collect: Callable[[], tuple[int, BaseException | None]]) -> None:
-        """Be woken by the C thread's rounds: on the loop's thread, once."""
-        self._collect = collect
-        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.loop.add_reader(efd, self._woken)
-        try:
-            native.add_loop(efd)  # type: ignore[attr-defined]
-        except BaseException:
-            self.loop.remove_reader(efd)
-            os.close(efd)
-            raise
-        self._efd = efd
-
-    def unlisten(self, native: object) -> None:
-        """No more wake-ups: the C thread lets go of the eventfd at once, the loop (on its thread) and
-        the descriptor after."""
-        if self._efd < 0:
-            return
-        native.remove_loop(self._efd)  # type: ignore[attr-defined]
-        efd, self._efd = self._efd, -1
-
-        def close() -> None:
-            with contextlib.suppress(Exception):  # the loop may be closing
-                self.loop.remove_reader(efd)
-            os.close(efd)
-
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self.loop or not self.loop.is_running():  # a loop not running runs no callback either
-            close()
-        else:
-            try:
-                self.loop.call_soon_threadsafe(close)
-            except RuntimeError:  # closed meanwhile
-                os.close(efd)
-
-    def _woken(self) -> None:
-        efd = self._efd
-        if efd < 0:  # let go of meanwhile (unlisten): nothing comes through it any more
-            return
-        with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(efd)
-        assert self._collect is not None
-        durable, error = self._collect()
-        self.settle(durable, error)
 
     def add(self, offset: int, waiter: Waiter) -> None:
         heapq.heappush(self.pending, (offset, next(self._count), waiter))

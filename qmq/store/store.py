@@ -42,7 +42,7 @@ from qmq.store.cross_check import checkpoint_problem
 from qmq.store.damage import Damage, DamagedRegion
 from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
 from qmq.store.files import fsync_dir, pwrite_all, read_json, write_json
-from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, Flusher, FlushFailed, FlushMode
+from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, FlushFailed, FlushMode, new_flusher
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from qmq.store.rebuild import rebuild_consume_log, rebuild_index
@@ -161,7 +161,7 @@ class LogStore:
         except BaseException:
             self._close_files()
             raise
-        self.flusher = Flusher(
+        self.flusher = new_flusher(
             self.message_log,
             self.config.flush,
             self.config.flush_interval_ms,

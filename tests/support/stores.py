@@ -38,9 +38,11 @@ FLUSHERS = ("c", "python")  # the fsync thread of `--flush sync`: C (qmq/store/_
 
 def use_flusher(kind: str, monkeypatch) -> None:
     """Stores opened from now on in this test fsync with the C thread ("c") or the Python one."""
-    from qmq.store import flush
+    from qmq.store import native_flush
 
     if kind == "python":
-        monkeypatch.setattr(flush, "sync_thread", None)
+        monkeypatch.setattr(native_flush, "sync_thread", None)
     else:
-        assert flush.sync_thread is not None, "qmq.store._sync_thread is not built (pip install -e . with Cython)"
+        assert native_flush.sync_thread is not None, (
+            "qmq.store._sync_thread is not built (pip install -e . with Cython)"
+        )
