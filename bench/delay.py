@@ -7,7 +7,8 @@ in this process, all on this machine (they share its cores).
     .venv/bin/python bench/delay.py spread           # scheduling 200,000 due over a year (8,760 buckets)
     .venv/bin/python bench/delay.py lateness         # 5,000 messages due per second, received by a consumer
     .venv/bin/python bench/delay.py parking          # one pass of the fire loop over the parking, with
-                                                     # 100,000 subjects' releases put off (in process)
+                                                     # 100,000 subjects parked and 100,000 releases put
+                                                     # off (in process)
     .venv/bin/python bench/delay.py --tree /tmp/before  # the servers of another checkout
 
 Targets (issue 6): scheduling >= 50,000 msg/s (1 KiB, batched); 1,000,000 pending in the loaded
@@ -291,24 +292,31 @@ async def measure_lateness(broker: Server, server: Server, rate: int, seconds: i
 
 
 def case_parking(subjects: int) -> None:
-    """After an outage, every subject released too soon has its next release put off: what one pass
-    of the scheduler's fire loop costs the parking then (`due_released`, `next_release_ms`). In this
-    process, from this checkout (not `--tree`)."""
+    """During and after an outage: `subjects` subjects parked, waiting for their next probe, and as
+    many whose releases came too soon, put off. What one pass of the scheduler's fire loop costs the
+    parking then (`due_released`, `next_release_ms`, `due_probes`, `next_probe_ms`). In this process,
+    from this checkout (not `--tree`)."""
     from delay_server.parking import Parking
 
     parking, now_ms = Parking(), 1_000_000
     for i in range(subjects):
-        subject = f"s{i}"
-        parking.park(subject, [i], now_ms, now_ms)
-        parking.subjects[subject].streak = 3  # its last releases came too soon: the next one waits
-        parking.release(subject, now_ms)
+        put_off, waiting = f"released-{i}", f"parked-{i}"
+        parking.park(put_off, [i], now_ms, now_ms)
+        parking.subjects[put_off].streak = 3  # its last releases came too soon: the next one waits
+        parking.release(put_off, now_ms)
+        parking.park(waiting, [subjects + i], now_ms, now_ms)  # its first probe in PROBE_BACKOFF_S[0]
     passes = 200
     started = time.perf_counter()
     for k in range(passes):
         parking.due_released(now_ms + k)
         parking.next_release_ms(now_ms + k)
+        parking.due_probes(now_ms + k)
+        parking.next_probe_ms()
     each_ms = (time.perf_counter() - started) / passes * 1000
-    print(f"parking: {subjects:,} releases put off: {each_ms:.4f} ms a fire-loop pass", flush=True)
+    print(
+        f"parking: {subjects:,} subjects parked and {subjects:,} releases put off: {each_ms:.4f} ms a fire-loop pass",
+        flush=True,
+    )
 
 
 def main() -> None:

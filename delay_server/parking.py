@@ -86,6 +86,11 @@ class Parking:
         self._begun: dict[str, int] = {}
         self._starting: list[tuple[int, int, str, Releasing]] = []
         self._turns = itertools.count()
+        # When each parked subject's probe is due, and when an empty one is forgotten: heaps of
+        # (time, n, subject, its entry, the probe time it was set for); an entry no longer parked, or
+        # whose probe time moved since, is skipped. So a pass costs the probes due, not every subject.
+        self._probes: list[tuple[int, int, str, ParkedSubject, int]] = []
+        self._forgets: list[tuple[int, int, str, ParkedSubject, int]] = []
         self._tick = -1  # the tick of `_tick_used`
         self._tick_used = 0  # released messages put into the wheel in that tick
 
@@ -113,6 +118,8 @@ class Parking:
                 streak = last.streak  # a send begun before the release: it tells nothing of it
             parked = self.subjects[subject] = ParkedSubject(now_ms + _ms(PROBE_BACKOFF_S[0]), streak=streak)
         before = len(parked.values)
+        if not before:  # (again) something to probe: its probe time may have passed while it was empty
+            self._push(self._probes, parked.probe_at_ms, subject, parked)
         parked.values.extend(values)
         if verdict:  # what its release had not sent yet would meet the same brokers: parked with them
             parked.values.extend(self._stop_releasing(subject))
@@ -219,27 +226,52 @@ class Parking:
         """For each subject whose probe is due, the few messages to try again now. The next probe is
         set at once, whatever becomes of this one: a probe that never comes back (its messages
         cancelled meanwhile, a send that hangs) cannot stop the subject being probed."""
-        probes, forgotten = [], []
-        for subject, parked in self.subjects.items():
-            if not parked.values:
-                if parked.probe_at_ms + _ms(EMPTY_KEPT_S) <= now_ms:
-                    forgotten.append(subject)
+        probes = []
+        while self._probes and self._probes[0][0] <= now_ms:
+            _, _, subject, parked, probe_at = heapq.heappop(self._probes)
+            if not self._current(subject, parked, probe_at):
                 continue
-            if parked.probe_at_ms > now_ms:
+            if not parked.values:  # nothing to probe now; more may come (park pushes it again)
+                self._push(self._forgets, probe_at + _ms(EMPTY_KEPT_S), subject, parked, probe_at)
                 continue
             probe = parked.values[:PROBE_MESSAGES]  # the oldest: a failed probe goes to the back
             del parked.values[:PROBE_MESSAGES]
             parked.probes += 1
             parked.probe_at_ms = now_ms + _ms(PROBE_BACKOFF_S[min(parked.probes, len(PROBE_BACKOFF_S) - 1)])
+            self._push(self._probes, parked.probe_at_ms, subject, parked)
             self.count -= len(probe)
             probes.append(probe)
-        for subject in forgotten:
-            del self.subjects[subject]
+        while self._forgets and self._forgets[0][0] <= now_ms:
+            _, _, subject, parked, probe_at = heapq.heappop(self._forgets)
+            if self._current(subject, parked, probe_at) and not parked.values:
+                del self.subjects[subject]
         return probes
 
     def next_probe_ms(self) -> int | None:
-        due = [p.probe_at_ms for p in self.subjects.values() if p.values]
-        return min(due) if due else None
+        """When the first probe is due (of a subject with messages parked); None when none is."""
+        probes = self._probes
+        while probes:
+            _, _, subject, parked, probe_at = probes[0]
+            if self._current(subject, parked, probe_at) and parked.values:
+                return probe_at
+            heapq.heappop(probes)
+            if self._current(subject, parked, probe_at):  # empty: forgotten in the end unless more come
+                self._push(self._forgets, probe_at + _ms(EMPTY_KEPT_S), subject, parked, probe_at)
+        return None
+
+    def _current(self, subject: str, parked: ParkedSubject, probe_at: int) -> bool:
+        """Whether a heap entry still stands for `subject`: still parked as `parked`, probe not moved."""
+        return self.subjects.get(subject) is parked and parked.probe_at_ms == probe_at
+
+    def _push(
+        self,
+        heap: list[tuple[int, int, str, ParkedSubject, int]],
+        at_ms: int,
+        subject: str,
+        parked: ParkedSubject,
+        probe_at: int | None = None,
+    ) -> None:
+        heapq.heappush(heap, (at_ms, next(self._turns), subject, parked, at_ms if probe_at is None else probe_at))
 
     def stats(self) -> dict[str, int]:
         """The subjects with the most messages parked (at most STATS_SUBJECTS): subject -> count."""

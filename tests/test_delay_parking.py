@@ -181,6 +181,7 @@ def test_a_subject_whose_probe_took_its_last_messages_is_not_probed_until_more_a
     assert parking.next_probe_ms() is None and parking.due_probes(10_000) == []
     assert parking.park("s", [2], now_ms=10_000, sent_ms=10_000) is None  # still parked: probed on its schedule
     assert parking.next_probe_ms() == 500 + PROBE_BACKOFF_S[1] * 1000
+    assert [list(p) for p in parking.due_probes(10_000)] == [[2]]  # its probe time passed while it was empty
 
 
 def test_a_subject_whose_last_probe_never_came_back_is_forgotten_in_the_end() -> None:
