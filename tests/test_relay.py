@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import sqlalchemy as sa
@@ -25,6 +26,8 @@ from tests.support.delay import start_delay_server
 from tests.support.outbox import consume, outbox_rows, relay_args, start_relay, states, wait_for
 from tests.support.processes import free_port
 from tests.test_meta import log_text
+
+LATE_STOP_SLACK_S = 6.0  # the stop's own work on a loaded machine; a send thread holds it 10 s or more
 
 
 @pytest.fixture
@@ -192,6 +195,26 @@ def test_a_relay_hung_on_a_broker_loses_its_rows_to_another_after_the_lease(proc
         hole.close()
     delivered = consume(broker.address, "order.created", len(ids))
     assert sorted(d.id for d in delivered) == sorted(ids)
+
+
+def test_sigterm_stops_a_relay_hung_on_a_broker_soon_after_its_lease(processes, engine, db_url) -> None:
+    """Its batches cannot finish (their sends never come back), and the sends of a batch of several
+    requests run on threads that the interpreter's exit would wait for: the relay still stops one
+    lease after SIGTERM (the rows go back to pending when its connections close)."""
+    leave_for_relay(engine, "order.created", 600)  # a batch of several sends: the client's send threads
+    hole = BlackHole()
+    try:
+        hung = start_relay(processes, db_url, broker=f"127.0.0.1:{hole.port}", name="relay-hung", lease=2)
+        wait_for(lambda: locked_by_another(engine) > 0, "a batch taken")
+        stopped_at = time.monotonic()
+        assert processes.kill(hung, signal.SIGTERM) == 0
+        took_s = time.monotonic() - stopped_at
+        assert took_s < 2 + LATE_STOP_SLACK_S, f"stopped {took_s:.1f} s after SIGTERM"
+        assert "exiting without them" in log_text(hung)
+    finally:
+        hole.close()
+    wait_for(lambda: locked_by_another(engine) == 0, "the rows free again")
+    assert set(states(engine).values()) == {"pending"}
 
 
 def run_once(db_url: str, broker: str, **flags) -> tuple[dict, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -124,4 +125,17 @@ def relay(
         logging.getLogger(__name__).info("metrics on http://%s:%d/metrics", metrics_host, bound)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.stop.set())
-    service.run()
+    if stuck := service.run():
+        exit_without(stuck)
+
+
+def exit_without(stuck: list[str]) -> None:
+    """The batches of `stuck` did not finish within the lease: their sends wait for a broker that does
+    not answer, and the interpreter's exit would wait for them too (the client's send threads are
+    joined at exit), up to their own timeouts. Exit now: the transactions end with the connections,
+    so their rows stay pending for the next relay."""
+    logging.getLogger(__name__).warning(
+        "%s still in a batch after the lease: exiting without them; their rows stay pending", ", ".join(stuck)
+    )
+    logging.shutdown()
+    os._exit(0)

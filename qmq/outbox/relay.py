@@ -113,13 +113,15 @@ class DatabaseRelay:
             "LISTEN/NOTIFY and polling" if self._listener else "polling",
         )
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float) -> list[str]:
+        """Wait up to `timeout` for the threads to end; the names of those still running."""
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0))
         if self._listener is not None:
             self._listener.join(max(deadline - time.monotonic(), 0))
         self.engine.dispose()
+        return [thread.name for thread in self._threads if thread.is_alive()]
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -334,14 +336,14 @@ class Relay:
         self.settings = settings or RelaySettings()
         self.databases = [DatabaseRelay(url, new_client, self.settings, self.stop) for url in urls]
 
-    def run(self) -> None:
-        """Serve until `stop` is set, then finish the batches in hand and return."""
+    def run(self) -> list[str]:
+        """Serve until `stop` is set, then finish the batches in hand and return: the names of the
+        threads whose batch did not finish within the lease (their sends wait for a broker)."""
         for database in self.databases:
             database.start()
         self.stop.wait()
         log.info("relay stopping: finishing the batches in hand")
-        for database in self.databases:
-            database.join(timeout=self.settings.lease_s)
+        return [name for database in self.databases for name in database.join(timeout=self.settings.lease_s)]
 
     def sweep(self) -> list[SweepReport]:
         reports = [database.sweep() for database in self.databases]
