@@ -18,6 +18,8 @@ from qmq.net.probe import accepts
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 5.0
+KILL_WAIT_S = 30.0  # for a process to end after `kill`
+STACKS_WAIT_S = 2.0  # for a process that did not end to write its threads' stacks (SIGUSR1)
 READY_TIMEOUT_S = 30.0
 LOG_TAIL_LINES = 40  # of each child process, printed when a test fails
 
@@ -47,6 +49,28 @@ def wait_for_port(port: int, proc: subprocess.Popen | None = None, timeout: floa
     raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout}s")
 
 
+def thread_stacks(proc: subprocess.Popen) -> str:
+    """Ask a qmq process for its threads' stacks and return what it wrote to its log, once the log
+    stops growing (at most STACKS_WAIT_S)."""
+    log_path: Path | None = getattr(proc, "log_path", None)
+    if log_path is None:
+        return "(no log to read the stacks from)"
+    before = log_path.stat().st_size
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + STACKS_WAIT_S
+    size = before
+    while time.monotonic() < deadline:
+        time.sleep(0.1)  # the dump is written from the process's signal handler: no event to await here
+        grown = log_path.stat().st_size
+        if grown == size and grown > before:
+            break
+        size = grown
+    with log_path.open("rb") as log:
+        log.seek(before)
+        return log.read().decode(errors="replace") or "(it wrote nothing)"
+
+
 class ProcessManager:
     """Starts child processes and guarantees they are gone when `stop_all` returns."""
 
@@ -73,11 +97,19 @@ class ProcessManager:
         self.procs.append(proc)
         return proc
 
-    def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> int:
-        """Send `sig` to the process group and wait for the process to end."""
+    def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout_s: float = KILL_WAIT_S) -> int:
+        """Send `sig` to the process group and wait for the process to end. One that does not end is
+        asked for its threads' stacks (`kill -USR1`, qmq.cli.stacks_on_signal), which the error
+        carries: a CI run that meets a hung stop says where it hung."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        return proc.wait(timeout=30)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            name, stacks = signal.Signals(sig).name, thread_stacks(proc)
+            raise AssertionError(
+                f"{proc.args!r} did not end within {timeout_s:g} s of {name}; its threads:\n{stacks}"
+            ) from None
 
     def log_tails(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last `lines` of each child's log: what a failed test prints, so a CI flake can be read."""
