@@ -184,11 +184,15 @@ def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float]:
         cwd=ROOT,
     )
     started = time.monotonic()
+    # Whether any row is still pending: the first entry of the pending index. A count of the pending
+    # rows every 0.2 s was a parallel scan of up to a million entries, which took PostgreSQL's CPU (both
+    # cores, with its workers) from the drain it measured.
+    any_pending = sa.select(outbox.c.id).where(outbox.c.state == "pending").order_by(outbox.c.next_attempt_at).limit(1)
     with db.engine.connect() as conn:
         while True:
-            pending = conn.execute(sa.select(sa.func.count()).where(outbox.c.state == "pending")).scalar_one()
+            pending = conn.execute(any_pending).first() is not None
             conn.rollback()
-            if pending == 0:
+            if not pending:
                 break
             time.sleep(0.2)
     elapsed = time.monotonic() - started

@@ -12,6 +12,8 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -19,6 +21,7 @@ import sqlalchemy as sa
 import qmq
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
+from qmq.outbox import rows
 from qmq.outbox.schema import outbox
 from tests.support.broker import ROOT, start_broker
 from tests.support.databases import fresh_database, set_connections_allowed
@@ -293,3 +296,64 @@ def test_a_delayed_row_goes_through_the_delay_server(processes, engine, db_url, 
     )
     [delivery] = consume(broker.address, "review.requested", 1)
     assert delivery.id == message_id and delivery.stored_at >= due.replace(microsecond=due.microsecond // 1000 * 1000)
+
+
+def add_pending(engine, *given: dict) -> None:
+    """Pending rows as a relay finds them, each with its `next_attempt_at` and maybe a lease or a key."""
+    defaults = {"subject": "s", "body": b"{}", "content_type": "application/json"}
+    defaults |= {"lease_expires_at": None, "order_key": None}  # every row names every column (executemany)
+    with engine.begin() as conn:
+        conn.execute(outbox.insert(), [{**defaults, "message_id": str(uuid.uuid4()), **r} for r in given])
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def any_engine(request, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'app.sqlite3'}"
+        upgrade(url)
+        engine = create_engine(url)
+        yield engine
+        engine.dispose()
+    else:
+        yield request.getfixturevalue("engine")
+
+
+def test_the_relay_sleeps_until_the_soonest_row_or_its_lease_is_due(any_engine) -> None:
+    def until_due() -> float | None:
+        with any_engine.connect() as conn:
+            return rows.seconds_until_due(conn)
+
+    now = datetime.now(UTC)
+    assert until_due() is None
+    add_pending(
+        any_engine,
+        {"next_attempt_at": now + timedelta(seconds=60)},
+        {"next_attempt_at": now - timedelta(seconds=1), "lease_expires_at": now + timedelta(seconds=30)},
+        {"next_attempt_at": now - timedelta(seconds=100), "order_key": "k"},  # ordered: the relay's other pass
+    )
+    assert 25 < until_due() <= 30  # the lease, not the earlier attempt time under it
+    add_pending(any_engine, {"next_attempt_at": now + timedelta(seconds=10)})
+    assert 5 < until_due() <= 10
+    add_pending(any_engine, {"next_attempt_at": now - timedelta(seconds=5)})
+    assert until_due() <= -4
+
+
+def test_the_relay_looks_at_a_bounded_number_of_rows_to_know_how_long_to_sleep(engine) -> None:
+    """With a backlog that is not due yet (after a broker outage), the look of every idle shipping
+    thread read every pending row: a scan of the whole backlog per look."""
+    later = datetime.now(UTC) + timedelta(seconds=60)
+    add_pending(engine, *({"next_attempt_at": later + timedelta(milliseconds=i)} for i in range(5000)))
+    with engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE qmq_outbox")
+        statement = rows.until_due_statement("postgresql").compile(engine, compile_kwargs={"literal_binds": True})
+        [[plan]] = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}").one()
+    read = sum(
+        node.get("Actual Rows", 0) for node in plan_nodes(plan["Plan"]) if node.get("Relation Name") == "qmq_outbox"
+    )
+    assert 0 < read <= rows.DUE_LOOKAHEAD_ROWS, json.dumps(plan, indent=1)
+
+
+def plan_nodes(node: dict):
+    yield node
+    for child in node.get("Plans", ()):
+        yield from plan_nodes(child)
