@@ -22,6 +22,7 @@ import qmq
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
 from qmq.outbox import rows
+from qmq.outbox.relay import HOUSEKEEPING_INTERVAL_S, HOUSEKEEPING_MAX_SHARE, housekeeping_pause_s
 from qmq.outbox.schema import outbox
 from tests.support.broker import ROOT, start_broker
 from tests.support.databases import fresh_database, set_connections_allowed
@@ -30,6 +31,7 @@ from tests.support.outbox import consume, outbox_rows, relay_args, start_relay, 
 from tests.support.processes import free_port
 from tests.test_meta import log_text
 
+FLAG_AFTER_S, FLAG_ATTEMPTS = 600.0, 10  # the relay's flagging settings in the housekeeping tests
 LATE_STOP_SLACK_S = 6.0  # the stop's own work on a loaded machine; a send thread holds it 10 s or more
 
 
@@ -302,6 +304,8 @@ def add_pending(engine, *given: dict) -> None:
     """Pending rows as a relay finds them, each with its `next_attempt_at` and maybe a lease or a key."""
     defaults = {"subject": "s", "body": b"{}", "content_type": "application/json"}
     defaults |= {"lease_expires_at": None, "order_key": None}  # every row names every column (executemany)
+    if any("created_at" in r for r in given):
+        defaults["created_at"] = datetime.now(UTC)
     with engine.begin() as conn:
         conn.execute(outbox.insert(), [{**defaults, "message_id": str(uuid.uuid4()), **r} for r in given])
 
@@ -357,3 +361,39 @@ def plan_nodes(node: dict):
     yield node
     for child in node.get("Plans", ()):
         yield from plan_nodes(child)
+
+
+@pytest.mark.parametrize(
+    ("row", "flagged"),
+    [
+        ({"created_at": "now"}, False),
+        ({"created_at": "now", "attempts": FLAG_ATTEMPTS - 1}, False),
+        ({"created_at": "now", "attempts": FLAG_ATTEMPTS}, True),
+        ({"created_at": "old"}, True),
+        ({"created_at": "almost old"}, False),
+    ],
+)
+def test_housekeeping_flags_without_a_second_scan_only_when_nothing_can_be_due(any_engine, row, flagged) -> None:
+    """The backlog's one scan tells whether flagging could find a row; when it says no, flagging (a
+    second scan of every pending row) would have found none."""
+    now = datetime.now(UTC)
+    created = {
+        "now": now,
+        "old": now - timedelta(seconds=FLAG_AFTER_S + 5),
+        "almost old": now - timedelta(seconds=FLAG_AFTER_S - 5),
+    }
+    add_pending(any_engine, {"next_attempt_at": now, "attempts": 0, **row, "created_at": created[row["created_at"]]})
+    with any_engine.begin() as conn:
+        backlog = rows.backlog(conn)
+        found = rows.flag_overdue(conn, FLAG_AFTER_S, FLAG_ATTEMPTS)
+    assert backlog.pending == 1 and backlog.flagged == 0
+    assert bool(found) is flagged
+    assert backlog.may_need_flagging(FLAG_AFTER_S, FLAG_ATTEMPTS) is flagged
+
+
+def test_a_slow_housekeeping_pass_waits_longer_so_it_takes_at_most_its_share() -> None:
+    assert housekeeping_pause_s(0.05) == HOUSEKEEPING_INTERVAL_S
+    for took_s in (1.0, 4.0):  # a backlog of a million rows: seconds of scans per pass
+        pause_s = housekeeping_pause_s(took_s)
+        assert pause_s > HOUSEKEEPING_INTERVAL_S
+        assert took_s / (took_s + pause_s) == pytest.approx(HOUSEKEEPING_MAX_SHARE)

@@ -42,7 +42,8 @@ SEND_BATCH_MESSAGES = 256  # messages per BROKER_SEND request: a batch of rows g
 KEEP_SENT_S = 7 * 86400.0  # the audit window: sent rows are kept this long for the reconciliation
 PURGE_BATCH_ROWS = 5_000  # deleted per short transaction
 PURGE_INTERVAL_S = 60.0
-HOUSEKEEPING_INTERVAL_S = 10.0  # backlog gauges and flagging
+HOUSEKEEPING_INTERVAL_S = 10.0  # backlog gauges and flagging...
+HOUSEKEEPING_MAX_SHARE = 0.05  # ...or longer: its passes take at most this share of the time
 FLAG_AFTER_S = 600.0  # a row pending this long is flagged...
 FLAG_AFTER_ATTEMPTS = 10  # ...or one that failed this many times
 FLAG_LOG_MAX = 20  # flagged rows logged one by one per pass; the rest as a count
@@ -75,6 +76,14 @@ class SweepReport:
     flagged: int = 0
     pending: int = 0
     errors: list[str] = field(default_factory=list)
+
+
+def housekeeping_pause_s(took_s: float) -> float:
+    """The pause after a housekeeping pass that took `took_s`: HOUSEKEEPING_INTERVAL_S, or longer when
+    the pass was slow, so that its scans of the pending rows (slow with a large backlog, as after a
+    broker outage: the gauges and the flagging read every pending row) take at most
+    HOUSEKEEPING_MAX_SHARE of the time, and leave the database to the shipping."""
+    return max(HOUSEKEEPING_INTERVAL_S, took_s * (1.0 / HOUSEKEEPING_MAX_SHARE - 1.0))
 
 
 class DatabaseRelay:
@@ -181,8 +190,10 @@ class DatabaseRelay:
         next_purge = time.monotonic()
         failures = 0
         while not self.stop.is_set():
+            started = time.monotonic()
             try:
                 self.housekeeping()
+                took_s = time.monotonic() - started
                 if time.monotonic() >= next_purge:
                     self.purge()
                     next_purge = time.monotonic() + self.settings.purge_interval_s
@@ -191,7 +202,7 @@ class DatabaseRelay:
                 failures += 1
                 self._database_error(exc, failures)
                 continue
-            self.stop.wait(HOUSEKEEPING_INTERVAL_S)
+            self.stop.wait(housekeeping_pause_s(took_s))
 
     def _database_error(self, exc: Exception, failures: int) -> None:
         metrics.DB_ERRORS.labels(self.name).inc()
@@ -246,9 +257,10 @@ class DatabaseRelay:
 
     def housekeeping(self) -> int:
         """Flag rows pending too long and update the backlog gauges; the number flagged now."""
+        after_s, attempts = self.settings.flag_after_s, self.settings.flag_after_attempts
         with self.engine.begin() as conn:
-            flagged = rows.flag_overdue(conn, self.settings.flag_after_s, self.settings.flag_after_attempts)
             backlog = rows.backlog(conn)
+            flagged = rows.flag_overdue(conn, after_s, attempts) if backlog.may_need_flagging(after_s, attempts) else []
         for row in flagged[:FLAG_LOG_MAX]:
             log.error(
                 "database %s: message %s (%s) is still not shipped after %d attempts: %s",
@@ -263,7 +275,7 @@ class DatabaseRelay:
         metrics.FLAGGED.labels(self.name).inc(len(flagged))
         metrics.PENDING.labels(self.name).set(backlog.pending)
         metrics.OLDEST_PENDING.labels(self.name).set(backlog.oldest_age_s)
-        metrics.FLAGGED_PENDING.labels(self.name).set(backlog.flagged)
+        metrics.FLAGGED_PENDING.labels(self.name).set(backlog.flagged + len(flagged))
         return len(flagged)
 
     def purge(self) -> int:

@@ -23,6 +23,7 @@ SQLITE_TIME_FORMAT = "%Y-%m-%d %H:%M:%f"  # UTC, sorts as text, read back by SQL
 RETRY_BASE_S = 1.0  # a row that failed once waits this long, then doubling...
 RETRY_MAX_S = 300.0  # ...up to this
 LAST_ERROR_MAX_CHARS = 2000
+FLAG_CLOCK_SLACK_S = 1.0  # `Backlog.may_need_flagging`: the two statements' clocks may differ this much
 DUE_LOOKAHEAD_ROWS = 100  # pending rows, soonest first, that `seconds_until_due` looks at
 
 
@@ -431,11 +432,20 @@ def purge_sent(conn: sa.Connection, sent_before_s: float, limit: int) -> int:
 
 @dataclass(frozen=True)
 class Backlog:
-    """The pending rows of one outbox: how many, the oldest one's age, how many are flagged."""
+    """The pending rows of one outbox: how many, the oldest one's age, how many are flagged, and the
+    most failed attempts of one (whether any row can be due for flagging)."""
 
     pending: int
     oldest_age_s: float
     flagged: int
+    most_attempts: int = 0
+
+    def may_need_flagging(self, pending_for_s: float, attempts: int) -> bool:
+        """Whether `flag_overdue` can find a row: one pending `pending_for_s` (less a second for the
+        clocks of two statements) or failed `attempts` times. Both are read in one scan of the pending
+        rows, where flagging is a second one; with a backlog of a million rows each scan costs the
+        database a second or more."""
+        return self.oldest_age_s >= pending_for_s - FLAG_CLOCK_SLACK_S or self.most_attempts >= attempts
 
 
 def backlog(conn: sa.Connection) -> Backlog:
@@ -445,8 +455,11 @@ def backlog(conn: sa.Connection) -> Backlog:
     else:
         age = sa.func.extract("epoch", sa.func.now() - sa.func.min(outbox.c.created_at))
     flagged = sa.func.count(outbox.c.flagged_at)
-    row = conn.execute(sa.select(sa.func.count(), age, flagged).where(outbox.c.state == PENDING)).one()
-    return Backlog(pending=row[0], oldest_age_s=max(float(row[1] or 0.0), 0.0), flagged=row[2])
+    most = sa.func.max(outbox.c.attempts)
+    count, oldest, flagged_count, most_attempts = conn.execute(
+        sa.select(sa.func.count(), age, flagged, most).where(outbox.c.state == PENDING)
+    ).one()
+    return Backlog(count, max(float(oldest or 0.0), 0.0), flagged_count, most_attempts or 0)
 
 
 def seconds_until_due(conn: sa.Connection) -> float | None:
