@@ -1,4 +1,4 @@
-"""`kill -USR1 PID` asks any qmq process for its threads' stacks (qmq.cli.stacks_on_signal): they go
+"""`kill -USR1 PID` asks any qmq process for its threads' stacks (qmq/stacks.py): they go
 to its log and the process goes on. The test harness asks a process that does not end after a
 signal for them, so a hung stop in CI says where it hung."""
 
@@ -16,7 +16,7 @@ from tests.support.processes import thread_stacks
 # function of a name the stacks must show.
 STUCK_PROCESS = """
 import signal, sys, time
-from qmq.cli import stacks_on_signal
+from qmq.stacks import stacks_on_signal
 stacks_on_signal()
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 def waiting_for_nothing_in_particular():

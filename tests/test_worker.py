@@ -372,3 +372,22 @@ def test_command_line_errors_are_named() -> None:
     assert missing.returncode == 2 and "cannot import 'tests.apps.nowhere'" in missing.stderr
     unknown = run_cli("-A", "tests.apps.recorder:app", "-Q", "orders,work", "--broker", "127.0.0.1:1")
     assert unknown.returncode == 2 and "no consumer in app 'recorder' for orders" in unknown.stderr
+
+
+def test_sigusr1_to_a_pool_process_shows_its_handler_and_the_worker_goes_on(processes, broker, db_url) -> None:
+    worker = start_worker(processes, [broker], db_url, "-P", "processes", "-c", "1", name="stacks")
+    [slow] = send_bodies([broker], [{"sleep": 3}])
+    wait_for(lambda: query(db_url, "SELECT 1 FROM worker_attempts WHERE message_id = %s", slow), "the handler runs")
+    [child] = pool_processes(worker.pid)  # a set of one
+    before = worker.log_path.stat().st_size
+    os.kill(child, signal.SIGUSR1)  # as `kill -USR1 PID` (docs/worker.md); without a handler it would end it
+
+    def dumped() -> str:
+        with worker.log_path.open("rb") as log:
+            log.seek(before)
+            return log.read().decode(errors="replace")
+
+    stacks = wait_for(lambda: "in handle" in dumped() and dumped(), "the pool process's stacks in the log")
+    assert "child_main" in stacks and "recorder.py" in stacks, stacks
+    wait_for(lambda: handled_count(db_url) == 1, "the handler finished")
+    assert pool_processes(worker.pid) == {child}  # the same pool process, not a replacement

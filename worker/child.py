@@ -2,7 +2,8 @@
 inner chain (hooks, retry, steps, transaction, idempotency, time limit, handler) for each message
 its parent sends, answering with the outcome. It ignores SIGINT and SIGTERM (a Ctrl-C reaches the
 whole process group, and systemd signals the whole control group: the parent decides how to stop)
-and exits when the parent says so or goes away.
+and exits when the parent says so or goes away. SIGUSR1 writes its threads' stacks to the log, as in
+every qmq process (qmq/stacks.py): where a handler is stuck.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import signal
 from multiprocessing.connection import Connection
 
+from qmq.stacks import stacks_on_signal
 from worker.loading import load_app
 from worker.pipeline import inner_chain
 from worker.steps.step import Call, Next
@@ -21,6 +23,7 @@ LOG_FORMAT = "%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"
 def child_main(app_spec: str, conn: Connection, log_level: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stacks_on_signal()
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     app = load_app(app_spec)
     chains: dict[tuple[str, str], tuple[Next, object]] = {

@@ -8,16 +8,13 @@ Settings come from flags, then `QMQ_*` environment variables, then defaults.
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import importlib
-import signal
-import sys
 
 import click
 
 from qmq import __version__
 from qmq.cli import options
+from qmq.stacks import stacks_on_signal
 
 # command name -> "module:attribute" of its click command
 COMMANDS = {
@@ -70,16 +67,3 @@ def main() -> None:
     """qmq: reliable, database-backed messaging."""
     stacks_on_signal()
 
-
-STACKS_SIGNAL = getattr(signal, "SIGUSR1", None)  # not on Windows
-
-
-def stacks_on_signal() -> None:
-    """`kill -USR1 PID` writes the stack of every thread of a qmq process to its stderr (its log) and
-    the process goes on, as with a Celery worker: how to see what a server that stops answering, or
-    does not stop, is waiting for. The dump is written by C code in the signal handler, so it comes
-    even when a thread holds the GIL."""
-    if STACKS_SIGNAL is None:
-        return
-    with contextlib.suppress(RuntimeError, ValueError, OSError):  # stderr without a descriptor (CliRunner)
-        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)

@@ -99,7 +99,7 @@ class ProcessManager:
 
     def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout_s: float = KILL_WAIT_S) -> int:
         """Send `sig` to the process group and wait for the process to end. One that does not end is
-        asked for its threads' stacks (`kill -USR1`, qmq.cli.stacks_on_signal), which the error
+        asked for its threads' stacks (`kill -USR1`, qmq/stacks.py), which the error
         carries: a CI run that meets a hung stop says where it hung."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
