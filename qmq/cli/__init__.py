@@ -66,4 +66,3 @@ class LazyGroup(click.Group):
 def main() -> None:
     """qmq: reliable, database-backed messaging."""
     stacks_on_signal()
-
