@@ -6,9 +6,9 @@ previous one ran, so throughput grows with the number of concurrent writers whil
 runs every interval. An fsync failure is fatal for the store: the page cache may have dropped the
 data, so every waiter gets the error and so does every later append (PostgreSQL's "fsyncgate" lesson).
 
-The fsync thread here is Python. With `sync`, where qmq/store/_sync_thread.pyx is built, `new_flusher`
-gives the `NativeFlusher` of qmq/store/native_flush.py instead: the same promises, with a C thread
-that never takes the GIL (docs/benchmarks.md, an eighteenth machine).
+The fsync thread here is Python. With `sync`, where qmq/store/_sync_thread.pyx is built, a store gets
+the `NativeFlusher` of qmq/store/native_flush.py instead (its `new_flusher`): the same promises, with
+a C thread that never takes the GIL (docs/benchmarks.md, an eighteenth machine).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import contextlib
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -306,23 +305,6 @@ class Flusher:
             self.recovery_point.record(end)
         except OSError as exc:  # the point only stays lower: recovery is stricter about nothing
             log.warning("cannot record the durable recovery point: %s", exc)
-
-
-def new_flusher(
-    message_log: MessageLog,
-    mode: FlushMode = FlushMode.SYNC,
-    interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS,
-    commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS,
-    recovery_point: RecoveryPoint | None = None,
-) -> Flusher:
-    """The store's flusher: with `sync`, the one whose fsync thread is C where it is built (and the
-    system has eventfd: Linux); else the Python one."""
-    from qmq.store import native_flush
-
-    flusher = Flusher
-    if FlushMode(mode) is FlushMode.SYNC and native_flush.sync_thread is not None and hasattr(os, "eventfd"):
-        flusher = native_flush.NativeFlusher
-    return flusher(message_log, mode, interval_ms, commit_window_ms, recovery_point)
 
 
 Waiter = asyncio.Future | Callable[[FlushFailed | None], None]  # `durable`'s future, `when_durable`'s callback

@@ -1,5 +1,5 @@
 """The flusher of `--flush sync` whose fsync thread is C (qmq/store/_sync_thread.pyx), where it is
-built: `new_flusher` (flush.py) picks it.
+built: `new_flusher` (below) picks it for a store.
 
 Why: a Python flusher thread pays two GIL hand-offs on every message's path, one to start the fsync
 (it waits for the event loop to let go of the GIL) and one to report it (the loop waits for the
@@ -26,7 +26,17 @@ from collections.abc import Callable
 from typing import Any
 
 from qmq.compiled import load
-from qmq.store.flush import COMMIT_SIBLINGS, Flusher, FlushFailed, _LoopWaiters
+from qmq.store.flush import (
+    COMMIT_SIBLINGS,
+    DEFAULT_ASYNC_INTERVAL_MS,
+    DEFAULT_COMMIT_WINDOW_MS,
+    Flusher,
+    FlushFailed,
+    FlushMode,
+    _LoopWaiters,
+)
+from qmq.store.message_log import MessageLog
+from qmq.store.recovery_point import RecoveryPoint
 
 sync_thread = load("qmq.store._sync_thread")  # None: not built, or turned off (qmq/compiled.py)
 
@@ -210,3 +220,18 @@ class _EventfdWaiters(_LoopWaiters):
         assert self._collect is not None
         durable, error = self._collect()
         self.settle(durable, error)
+
+
+def new_flusher(
+    message_log: MessageLog,
+    mode: FlushMode = FlushMode.SYNC,
+    interval_ms: int = DEFAULT_ASYNC_INTERVAL_MS,
+    commit_window_ms: float = DEFAULT_COMMIT_WINDOW_MS,
+    recovery_point: RecoveryPoint | None = None,
+) -> Flusher:
+    """The store's flusher: with `sync`, the one whose fsync thread is C where it is built (and the
+    system has eventfd: Linux); else the Python one."""
+    flusher = Flusher
+    if FlushMode(mode) is FlushMode.SYNC and sync_thread is not None and hasattr(os, "eventfd"):
+        flusher = NativeFlusher
+    return flusher(message_log, mode, interval_ms, commit_window_ms, recovery_point)

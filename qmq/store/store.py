@@ -42,9 +42,10 @@ from qmq.store.cross_check import checkpoint_problem
 from qmq.store.damage import Damage, DamagedRegion
 from qmq.store.disk_space import PROBE_INTERVAL_S, is_out_of_space, space_available
 from qmq.store.files import fsync_dir, pwrite_all, read_json, write_json
-from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, FlushFailed, FlushMode, new_flusher
+from qmq.store.flush import DEFAULT_ASYNC_INTERVAL_MS, DEFAULT_COMMIT_WINDOW_MS, FlushFailed, FlushMode
 from qmq.store.index import DEFAULT_CAPACITY, DEFAULT_SLOTS, KeyIndex
 from qmq.store.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
+from qmq.store.native_flush import new_flusher
 from qmq.store.rebuild import rebuild_consume_log, rebuild_index
 from qmq.store.recovery import RecoveryReport, replay, scan_for_recovery
 from qmq.store.recovery_point import RecoveryPoint
