@@ -387,7 +387,9 @@ def test_sigusr1_to_a_pool_process_shows_its_handler_and_the_worker_goes_on(proc
             log.seek(before)
             return log.read().decode(errors="replace")
 
-    stacks = wait_for(lambda: "in handle" in dumped() and dumped(), "the pool process's stacks in the log")
-    assert "child_main" in stacks and "recorder.py" in stacks, stacks
+    # The dump is written frame by frame, the handler's first and the pool process's entry point last:
+    # wait for that, not a part (CI read one cut short after `handle`).
+    stacks = wait_for(lambda: "child_main" in (text := dumped()) and text, "the pool process's stacks in the log")
+    assert "in handle" in stacks and "recorder.py" in stacks, stacks
     wait_for(lambda: handled_count(db_url) == 1, "the handler finished")
     assert pool_processes(worker.pid) == {child}  # the same pool process, not a replacement

@@ -724,8 +724,8 @@ class Roles:
             why = (
                 "set by the meta server"
                 if self.meta_read_only
-                else "too few replicas in sync"
-                if lagging
+                else self.followers.why_not_writable()
+                if lagging and self.followers is not None
                 else "handing off to a replica"
                 if handing_off
                 else ""

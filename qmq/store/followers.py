@@ -161,7 +161,7 @@ class Followers:
         if self._closed:  # `close` failed the waiters it found; none may wait after it
             raise RemoteError(ErrorCode.NOT_MASTER, "this server is no longer master")
         if not self.writable:
-            raise NotEnoughReplicas(self._why_not())
+            raise NotEnoughReplicas(self.why_not_writable())
         if self._acked_offset(needed) >= end:
             return
         future = self._loop.create_future()
@@ -171,9 +171,10 @@ class Followers:
     def check(self) -> None:
         """Fail the waiting acknowledgements when the rule can no longer be met (called often)."""
         if self._waiters and not self.writable:
-            self._fail_all(NotEnoughReplicas(self._why_not()))
+            self._fail_all(NotEnoughReplicas(self.why_not_writable()))
 
-    def _why_not(self) -> str:
+    def why_not_writable(self) -> str:
+        """Why sends are refused now (for the client's error and the server's log)."""
         if self.fenced():
             return "this master lost the meta server and fenced itself"
         return f"{len(self.in_sync())} replica(s) in sync, {self.ack_replicas} needed"
