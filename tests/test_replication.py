@@ -3,6 +3,7 @@ a master and a replica under one meta server on PostgreSQL, `--ack-replicas 1`, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -20,6 +21,7 @@ from tests.support.databases import fresh_database
 from tests.support.metrics import sample, scrape
 from tests.support.processes import free_port, wait_for_port
 from tests.support.replication import (
+    FAILOVER_AFTER_S,
     HOST,
     MAX_LAG_S,
     admin_failover,
@@ -207,7 +209,7 @@ def test_two_meta_servers_the_deciding_one_killed_during_a_failover_the_other_fi
             decider_pid = wait_for(holder_pid, "a meta server to hold the failover lease")
             decider = next(proc for proc, _ in metas if proc.pid == decider_pid)
             processes.kill(a.proc, signal.SIGKILL)
-            processes.kill(decider, signal.SIGKILL)  # before it could decide (failover after 2 s)
+            processes.kill(decider, signal.SIGKILL)  # before it could decide (failover after 3 s)
             promoted = wait_role(b, "master", epoch=2)
             assert promoted["master"] == b.address
             assert holder_pid() != decider_pid
@@ -218,6 +220,33 @@ def test_two_meta_servers_the_deciding_one_killed_during_a_failover_the_other_fi
         wait_in_sync(b, a)
         with Client(meta=meta) as client:
             assert all(r.ok for r in client.send([OutgoingMessage(SUBJECT, f"after-{i}") for i in range(20)]))
+
+
+def test_a_hung_meta_server_is_left_for_the_other_before_the_master_fences_itself(processes, tmp_path, pg_url) -> None:
+    """A meta server that hangs (its connections stay open, nothing answers) must not cost a group its
+    writes while another meta server answers: the master fences itself `failover_after / 2` after its
+    last answer, so it has to give up on the hung one and reach the other before that."""
+    with fresh_database(pg_url) as url:
+        metas = [start_meta(processes, url, name=f"meta{i}") for i in (1, 2)]
+        meta = ",".join(f"{HOST}:{port}" for _, port in metas)
+        a, b = start_group(processes, tmp_path, meta)  # both heartbeat to meta1, named first
+        sent = 0
+        with a.connect() as conn, contextlib.ExitStack() as resume:
+            for proc, _ in metas:  # a stopped process would not end at the teardown's SIGTERM
+                resume.callback(os.kill, proc.pid, signal.SIGCONT)
+            # meta1 hangs: a and b move to meta2; then meta2 hangs and meta1 is back: they move back
+            # (the next in the list after the one that failed, not the list's second again).
+            for hung, back in ((metas[0][0], None), (metas[1][0], metas[0][0])):
+                os.kill(hung.pid, signal.SIGSTOP)
+                if back is not None:
+                    os.kill(back.pid, signal.SIGCONT)
+                until = time.monotonic() + 2 * FAILOVER_AFTER_S
+                while time.monotonic() < until:  # each send waits for b's copy: refused once a is fenced
+                    send(conn, SUBJECT, [f"while-hung-{sent}"])
+                    sent += 1
+        assert replication(a)["role"] == "master" and replication(b)["role"] == "replica"  # no failover either
+    assert sent > 0
+    assert "fenced" not in a.proc.log_path.read_text()
 
 
 def test_admin_failover_switches_the_master_by_hand_while_a_producer_runs(processes, tmp_path, meta) -> None:

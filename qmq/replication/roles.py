@@ -653,10 +653,17 @@ class Roles:
             self._last_unreachable_poke = now
             self.membership.poke()
 
-    def _fenced(self) -> bool:
+    def fence_at(self) -> float | None:
+        """The monotonic time at which this server, as master, fences itself unless a meta server
+        answers first: half of `failover_after` after the last answer, so that it stops taking sends
+        well before a meta server could promote a replica."""
         if self.membership is None:
-            return False
-        return time.monotonic() - self.membership.last_reply_at > self.failover_after_s / 2
+            return None
+        return self.membership.last_reply_at + self.failover_after_s / 2
+
+    def _fenced(self) -> bool:
+        fence_at = self.fence_at()
+        return fence_at is not None and time.monotonic() > fence_at
 
     def replicated_upto(self) -> int | None:
         """The offset below which no failover can cut this server's log, as far as it knows: as
@@ -790,6 +797,7 @@ def join(roles: Roles, meta: str, *, kind: str, external_address: str | None, re
         on_read_only=roles.on_meta_read_only,
         report=roles.report if replicated else None,
         on_reply=roles.on_meta_reply if replicated else None,
+        answer_by=roles.fence_at if replicated else None,
     )
     roles.membership = membership if replicated else None
     membership.start()
