@@ -18,12 +18,15 @@ import pytest
 
 from qmq.client import AsyncClient, Client, Delivery, MetaUnreachable, NoRoute, OutgoingMessage, SendError
 from qmq.client.deliveries import MAX_PULL_WAIT_S
+from qmq.client.routes import META_TIMEOUT_S
 from qmq.net.client import BlockingConnection
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode
 from qmq.protocol.limits import MAX_MESSAGE_BYTES
 from tests.support.broker import ROOT, Broker, restart_broker, start_broker
+from tests.support.databases import fresh_database
 from tests.support.processes import free_port, wait_for_port
+from tests.support.replication import start_meta as start_meta_on
 from tests.test_meta import wait_until as poll_until
 
 HOST = "127.0.0.1"
@@ -351,6 +354,26 @@ def test_with_a_meta_server_send_retries_on_the_other_group(processes, tmp_path)
         assert {r.group for r in results} == {"gb"}
         on_gb = {r.message_id for r in warm + results if r.group == "gb"}
         assert {d.id for d in drain(subscription, len(on_gb))} == on_gb
+
+
+def test_a_hung_meta_server_holds_a_send_only_until_the_next_one_is_asked(processes, tmp_path, pg_url) -> None:
+    """Of `A,B`, A hangs (it accepts the connection, nothing answers): a send that needs a route waits
+    META_NEXT_AFTER_S for A, then asks B; not the whole wait of a lone meta server."""
+    with fresh_database(pg_url) as url:
+        (hung, hung_port), (_, port) = (start_meta_on(processes, url, name=f"meta{i}") for i in (1, 2))
+        metas = f"{HOST}:{hung_port},{HOST}:{port}"
+        start_broker(processes, tmp_path / "b", "--meta", metas, "--group", "gh", name="b")
+        wait_until(lambda: registered_groups(f"{HOST}:{port}") == {"gh"}, "the broker registered")
+        os.kill(hung.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with Client(meta=metas) as client:  # new: it asks A for the route first
+                [result] = client.send([OutgoingMessage("hung.meta", "x")])
+            took = time.monotonic() - started
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
+    assert result.ok, result.error
+    assert took < META_TIMEOUT_S, f"the send waited {took:.1f} s, as for a lone meta server"
 
 
 def test_meta_server_unreachable_or_without_brokers(processes, tmp_path) -> None:

@@ -43,13 +43,22 @@ class _Pool(Generic[C]):
         self._connections: dict[str, C] = {}
         self._closed = False
 
+    def _connect_timeout(self, call_timeout_s: float | None) -> float:
+        """A connection opened for a call waits no longer than the call would for its reply (a
+        meta server that hangs accepts the TCP connection but never the handshake: the next one
+        is tried after the call's own wait, `qmq.client.routes.meta_call`)."""
+        if call_timeout_s is None:
+            return self.connect_timeout_s
+        return min(self.connect_timeout_s, call_timeout_s)
+
 
 class ConnectionPool(_Pool[BlockingConnection]):
     """Thread-safe. Opening a connection to one address never waits for another address."""
 
-    def get(self, address: str) -> BlockingConnection:
-        """The open connection to `address`, opened now if there is none. Raises `ConnectFailed`, or
-        RemoteError (the handshake was refused: a wrong token)."""
+    def get(self, address: str, call_timeout_s: float | None = None) -> BlockingConnection:
+        """The open connection to `address`, opened now if there is none (within `call_timeout_s`
+        too, when given). Raises `ConnectFailed`, or RemoteError (the handshake was refused: a wrong
+        token)."""
         with self._lock:
             if self._closed:
                 raise ConnectionError("this client was closed")
@@ -67,7 +76,11 @@ class ConnectionPool(_Pool[BlockingConnection]):
             host, port = parse_address(address)
             try:
                 conn = BlockingConnection.open(
-                    host, port, client_id=self.client_id, token=self.token, timeout=self.connect_timeout_s
+                    host,
+                    port,
+                    client_id=self.client_id,
+                    token=self.token,
+                    timeout=self._connect_timeout(call_timeout_s),
                 )
             except OSError as exc:
                 raise _connect_failed(address, exc) from None
@@ -81,7 +94,7 @@ class ConnectionPool(_Pool[BlockingConnection]):
     def request(
         self, address: str, code: int, body: dict[str, Any] | None, timeout: float = REQUEST_TIMEOUT_S
     ) -> dict[str, Any]:
-        return self.get(address).request(code, body, timeout)
+        return self.get(address, timeout).request(code, body, timeout)
 
     def connected(self, address: str) -> BlockingConnection | None:
         """The open connection to `address`, or None (none is opened here)."""
@@ -101,7 +114,7 @@ class ConnectionPool(_Pool[BlockingConnection]):
 class AsyncConnectionPool(_Pool[AsyncConnection]):
     """The same for asyncio; used from one event loop."""
 
-    async def get(self, address: str) -> AsyncConnection:
+    async def get(self, address: str, call_timeout_s: float | None = None) -> AsyncConnection:
         if self._closed:
             raise ConnectionError("this client was closed")
         conn = self._connections.get(address)
@@ -116,7 +129,11 @@ class AsyncConnectionPool(_Pool[AsyncConnection]):
             host, port = parse_address(address)
             try:
                 conn = await AsyncConnection.open(
-                    host, port, client_id=self.client_id, token=self.token, timeout=self.connect_timeout_s
+                    host,
+                    port,
+                    client_id=self.client_id,
+                    token=self.token,
+                    timeout=self._connect_timeout(call_timeout_s),
                 )
             except OSError as exc:
                 raise _connect_failed(address, exc) from None
@@ -129,7 +146,7 @@ class AsyncConnectionPool(_Pool[AsyncConnection]):
     async def request(
         self, address: str, code: int, body: dict[str, Any] | None, timeout: float = REQUEST_TIMEOUT_S
     ) -> dict[str, Any]:
-        conn = await self.get(address)
+        conn = await self.get(address, timeout)
         return await conn.request(code, body, timeout)
 
     async def close(self) -> None:

@@ -34,6 +34,7 @@ ROUTE_TTL_S = 30.0  # a route is asked for again after this long
 EMPTY_ROUTE_TTL_S = 1.0  # a route with no writable group is asked for again sooner: a broker may join
 META_RETRY_S = 5.0  # while the meta server is unreachable, a stale route is used this long before asking again
 META_TIMEOUT_S = 10.0  # wait for a META_ROUTE or META_LIST reply
+META_NEXT_AFTER_S = 2.0  # with another meta server left to ask, wait at most this long for one
 DEFAULT_META_ADDRESS = "127.0.0.1:20880"
 META_ENV = "QMQ_META"
 
@@ -225,15 +226,17 @@ _preferred: dict[str, str] = {}  # meta list -> the address that answered last (
 
 def meta_call(meta: str, code: int, body: dict[str, Any], timeout_s: float) -> Steps[Any]:
     """Ask the meta servers of `meta` (`A,B,C`) in turn, the one that answered last first; the
-    first reply, or the last failure (a `RemoteError` or `OSError`, as a `Call` outcome)."""
+    first reply, or the last failure (a `RemoteError` or `OSError`, as a `Call` outcome). While
+    another is left to ask, one is given META_NEXT_AFTER_S at most: a hung meta server (connection
+    open, no answer) holds a send that needs a route that long, not `timeout_s`."""
     addresses = meta_addresses(meta) if "," in meta else [meta]
     first = _preferred.get(meta)
     if first in addresses:
         addresses.remove(first)
         addresses.insert(0, first)
     reply: Any = None
-    for address in addresses:
-        reply = yield Call(address, code, body, timeout_s)
+    for n, address in enumerate(addresses, 1):
+        reply = yield Call(address, code, body, timeout_s if n == len(addresses) else min(timeout_s, META_NEXT_AFTER_S))
         if not isinstance(reply, RemoteError | OSError):
             _preferred[meta] = address
             return reply
