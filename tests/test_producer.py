@@ -5,6 +5,8 @@ never waits for or fails because of a broker."""
 from __future__ import annotations
 
 import concurrent.futures
+import sys
+import threading
 import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -171,6 +173,29 @@ def test_a_full_sender_leaves_rows_for_the_relay(engine, broker) -> None:
     row = outbox_rows(engine)[message_id]
     assert (row.state, row.lease_token) == ("pending", None)  # no lease: any relay may ship it now
     producer.close()
+
+
+def test_threads_that_send_first_at_once_share_one_sender(engine, broker) -> None:
+    """Rows are leased to the sender's token: a second sender, made by a racing thread and then
+    dropped, would lease rows that no one ships until the relay finds them."""
+    threads = 8
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        for _ in range(20):
+            producer = qmq.Producer(brokers=[broker.address], engine=engine)
+            barrier = threading.Barrier(threads)
+
+            def first_send(_: int, producer=producer, barrier=barrier) -> int:
+                barrier.wait()
+                return id(producer.sender)
+
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                senders = set(pool.map(first_send, range(threads)))
+            producer.close()
+            assert len(senders) == 1, f"{len(senders)} senders"
+    finally:
+        sys.setswitchinterval(old_interval)
 
 
 def test_backoff_doubles_up_to_a_cap() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import threading
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
@@ -76,6 +77,7 @@ class Producer:
         self.after_commit = after_commit
         self.insert_lease_s = insert_lease_s
         self._sender: Sender | None = None
+        self._sender_lock = threading.Lock()  # one sender, however many threads send first at once
         _live_producers.add(self)
 
     # ---- sending -----------------------------------------------------------------------------------
@@ -179,11 +181,17 @@ class Producer:
 
     @property
     def sender(self) -> Sender:
-        if self._sender is None:
-            self._sender = Sender(
-                self.flavour.engine, self._new_client, token=str(uuid.uuid4()), lease_s=self.insert_lease_s
-            )
-        return self._sender
+        """The one after-commit sender of this producer (and process). Rows are leased to its token:
+        a second sender, made by a thread racing the first, would lease rows that nobody ships."""
+        sender = self._sender
+        if sender is not None:
+            return sender
+        with self._sender_lock:
+            if self._sender is None:
+                self._sender = Sender(
+                    self.flavour.engine, self._new_client, token=str(uuid.uuid4()), lease_s=self.insert_lease_s
+                )
+            return self._sender
 
     def handoff(self, shipments: list[Shipment]) -> None:
         """Committed messages, for the sender (called by the transaction flavours after the commit)."""
@@ -212,6 +220,7 @@ class Producer:
 
     def _after_fork(self) -> None:
         self._sender = None  # the parent's sender thread did not come along
+        self._sender_lock = threading.Lock()  # nor the thread that may have held the lock
 
 
 def _deliver_at(delay: float | timedelta | None, deliver_at: datetime | None) -> datetime | None:
