@@ -21,7 +21,6 @@ from tests.support.databases import fresh_database
 from tests.support.metrics import sample, scrape
 from tests.support.processes import free_port, wait_for_port
 from tests.support.replication import (
-    FAILOVER_AFTER_S,
     HOST,
     MAX_LAG_S,
     admin_failover,
@@ -222,12 +221,17 @@ def test_two_meta_servers_the_deciding_one_killed_during_a_failover_the_other_fi
             assert all(r.ok for r in client.send([OutgoingMessage(SUBJECT, f"after-{i}") for i in range(20)]))
 
 
+HUNG_PHASE_S = 6.0  # sending while one meta server hangs: longer than the 4 s a master keeps writing
+
+
 def test_a_hung_meta_server_is_left_for_the_other_before_the_master_fences_itself(processes, tmp_path, pg_url) -> None:
     """A meta server that hangs (its connections stay open, nothing answers) must not cost a group its
     writes while another meta server answers: the master fences itself `failover_after / 2` after its
-    last answer, so it has to give up on the hung one and reach the other before that."""
+    last answer, so it has to give up on the hung one and reach the other before that. With
+    --failover-after 8 that is 4 s, heartbeats every 2 s: the hung one is given 1 s (with the tests'
+    3 s, 0.375 s, which a loaded CI machine once missed)."""
     with fresh_database(pg_url) as url:
-        metas = [start_meta(processes, url, name=f"meta{i}") for i in (1, 2)]
+        metas = [start_meta(processes, url, "--failover-after", "8", name=f"meta{i}") for i in (1, 2)]
         meta = ",".join(f"{HOST}:{port}" for _, port in metas)
         a, b = start_group(processes, tmp_path, meta)  # both heartbeat to meta1, named first
         sent = 0
@@ -240,7 +244,7 @@ def test_a_hung_meta_server_is_left_for_the_other_before_the_master_fences_itsel
                 os.kill(hung.pid, signal.SIGSTOP)
                 if back is not None:
                     os.kill(back.pid, signal.SIGCONT)
-                until = time.monotonic() + 2 * FAILOVER_AFTER_S
+                until = time.monotonic() + HUNG_PHASE_S
                 while time.monotonic() < until:  # each send waits for b's copy: refused once a is fenced
                     send(conn, SUBJECT, [f"while-hung-{sent}"])
                     sent += 1
