@@ -83,9 +83,9 @@ class Membership:
     async def _call(self, code: RequestCode, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
         if self._conn is None or self._conn.closed:
             host, port = split_address(self.meta)
-            # A hung meta server accepts the TCP connection but never the handshake: a short wait
-            # (another is left to try) bounds that too.
-            connect_s = CONNECT_TIMEOUT_S if timeout >= REQUEST_TIMEOUT_S else timeout
+            # A hung meta server accepts the TCP connection but never the handshake: the connect waits
+            # no longer than the call would (as in the client's pool).
+            connect_s = min(CONNECT_TIMEOUT_S, timeout)
             self._conn = await AsyncConnection.open(
                 host, port, token=self.token, client_id=f"{self.kind}-{self.address}", timeout=connect_s
             )
