@@ -427,9 +427,11 @@ def test_the_senders_session_settings_do_not_leak_into_the_applications_pool(pg_
                 conn.exec_driver_sql("SHOW synchronous_commit").scalar()
                 + "/"
                 + conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
+                + "/"
+                + conn.exec_driver_sql("SHOW plan_cache_mode").scalar()
             )
     finally:
         for conn in connections:
             conn.close()
-    assert set(seen) == {"on/0"}
+    assert set(seen) == {"on/0/auto"}
     assert delivered_ids(broker, "order.created", 1)

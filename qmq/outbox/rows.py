@@ -332,10 +332,13 @@ def session_settings(lease_s: float) -> str:
     idle longer than the lease (a send that hangs) is ended by the server, its rows given back; and the
     commit does not wait for its WAL flush: a mark lost in a PostgreSQL crash means the row is shipped
     again (a duplicate, which consumers drop by id), never a lost message."""
-    return f"SET idle_in_transaction_session_timeout = {int(lease_s * 1000)}; SET synchronous_commit = off"
+    return (
+        f"SET idle_in_transaction_session_timeout = {int(lease_s * 1000)}; SET synchronous_commit = off; "
+        "SET plan_cache_mode = force_custom_plan"
+    )
 
 
-RESET_SESSION_SETTINGS = "RESET idle_in_transaction_session_timeout; RESET synchronous_commit"
+RESET_SESSION_SETTINGS = "RESET idle_in_transaction_session_timeout; RESET synchronous_commit; RESET plan_cache_mode"
 
 
 def still_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) -> set[str]:
