@@ -146,6 +146,20 @@ class Route:
         }
 
 
+@dataclass(frozen=True)
+class _RouteRead:
+    """What one read of a subject's route found: every group, the route's group names, the delay servers."""
+
+    subject: str
+    groups_by_name: dict[str, GroupState]
+    names: list[str]
+    delay_servers: tuple[ServerState, ...]
+
+    def answer(self, added: tuple[str, ...]) -> Route:
+        groups = tuple(self.groups_by_name[n] for n in self.names if n in self.groups_by_name)
+        return Route(self.subject, groups, self.delay_servers, added)
+
+
 class Registry:
     """The meta state in the tables of qmq.meta.schema. Thread-safe; several meta servers may share
     one database (a write that races another is retried)."""
@@ -257,16 +271,21 @@ class Registry:
     def route(self, subject: str, *, create: bool) -> Route:
         """The subject's route. With `create` (producers) it is first topped up to `route_groups`
         writable groups when it has fewer and enough exist (see the module docstring)."""
-        added: tuple[str, ...] = ()
-        if create:
-            with self._route_lock:
-                added = self._write(lambda conn: self._extend_route(conn, subject, self.clock()))
+        route = self._read_route(subject)
+        if not create or not self._to_add(route.groups_by_name, route.names):
+            return route.answer(())  # the common case: a read, no lock, no write
+        with self._route_lock:
+            added = self._write(lambda conn: self._extend_route(conn, subject, self.clock()))
+        return self._read_route(subject).answer(added)
+
+    def _read_route(self, subject: str) -> _RouteRead:
         now = self.clock()
         with self.engine.connect() as conn:
-            groups = self._groups(conn, now)
+            servers = self._servers(conn, now)
+            groups = self._groups(conn, now, servers)
             names = self._route_names(conn, subject)
-            delay = tuple(s for s in self._servers(conn, now) if s.kind == "delay" and s.serves)
-        return Route(subject, tuple(groups[n] for n in names if n in groups), delay, added)
+        delay = tuple(s for s in servers if s.kind == "delay" and s.serves)
+        return _RouteRead(subject, groups, names, delay)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -286,8 +305,8 @@ class Registry:
         """Everything, for META_LIST (admins, tests): groups, servers and routes, plus the timing."""
         now = self.clock()
         with self.engine.connect() as conn:
-            groups = self._groups(conn, now)
             servers = self._servers(conn, now)
+            groups = self._groups(conn, now, servers)
             rows = conn.execute(
                 sa.select(schema.route.c.subject, schema.route.c.group_name).order_by(
                     schema.route.c.subject, schema.route.c.position
@@ -363,8 +382,11 @@ class Registry:
         replicas = {r.address for r in members if masters.get(r.group_name) != r.address}
         return replicas, {r.master: r.epoch for r in rows}
 
-    def _groups(self, conn: Connection, now: datetime) -> dict[str, GroupState]:
-        servers = [s for s in self._servers(conn, now) if s.kind == "broker"]
+    def _groups(
+        self, conn: Connection, now: datetime, servers: list[ServerState] | None = None
+    ) -> dict[str, GroupState]:
+        """Every broker group; `servers` when the caller has read them already (in this transaction)."""
+        servers = [s for s in (servers if servers is not None else self._servers(conn, now)) if s.kind == "broker"]
         counts = dict(
             conn.execute(
                 sa.select(schema.route.c.group_name, sa.func.count()).group_by(schema.route.c.group_name)
@@ -403,16 +425,18 @@ class Registry:
             ).scalars()
         )
 
-    def _extend_route(self, conn: Connection, subject: str, now: datetime) -> tuple[str, ...]:
-        groups = self._groups(conn, now)
-        current = self._route_names(conn, subject)
-        writable = [n for n in current if n in groups and groups[n].writable]
-        missing = self.route_groups - len(writable)
+    def _to_add(self, groups: dict[str, GroupState], current: list[str]) -> list[GroupState]:
+        """The writable groups a route of `current` groups gets to have `route_groups` writable ones:
+        the least loaded first; none when it has enough or no other writable group exists."""
+        missing = self.route_groups - sum(1 for n in current if n in groups and groups[n].writable)
         if missing <= 0:
-            return ()
-        candidates = sorted(
-            (g for g in groups.values() if g.writable and g.name not in current), key=lambda g: (g.subjects, g.name)
-        )[:missing]
+            return []
+        others = (g for g in groups.values() if g.writable and g.name not in current)
+        return sorted(others, key=lambda g: (g.subjects, g.name))[:missing]
+
+    def _extend_route(self, conn: Connection, subject: str, now: datetime) -> tuple[str, ...]:
+        current = self._route_names(conn, subject)
+        candidates = self._to_add(self._groups(conn, now), current)
         if not candidates:
             return ()
         position = conn.execute(
