@@ -127,14 +127,11 @@ class Membership:
                 await asyncio.sleep(wait)
                 continue
             self.last_reply_at = time.monotonic()
-            if failures or not self.registered.is_set():
-                log.info(
-                    "registered with meta server %s as %s %s in group %s",
-                    self.meta,
-                    self.kind,
-                    self.address,
-                    self.group,
-                )
+            if not self.registered.is_set():
+                what = (self.meta, self.kind, self.address, self.group)
+                log.info("registered with meta server %s as %s %s in group %s", *what)
+            elif failures:
+                log.info("heartbeating to meta server %s now (%d attempts failed before)", self.meta, failures)
             failures = 0
             code = RequestCode.META_HEARTBEAT
             self.registered.set()
