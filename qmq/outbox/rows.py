@@ -331,7 +331,9 @@ def session_settings(lease_s: float) -> str:
     """The SET for a PostgreSQL connection that ships by `take_due`/`take_leased`: a transaction left
     idle longer than the lease (a send that hangs) is ended by the server, its rows given back; and the
     commit does not wait for its WAL flush: a mark lost in a PostgreSQL crash means the row is shipped
-    again (a duplicate, which consumers drop by id), never a lost message."""
+    again (a duplicate, which consumers drop by id), never a lost message. Each take is planned for the
+    table as it is: psycopg prepares the takes on a connection held for hours, and a generic plan made
+    while the table was small read all of it on every take once it had grown."""
     return (
         f"SET idle_in_transaction_session_timeout = {int(lease_s * 1000)}; SET synchronous_commit = off; "
         "SET plan_cache_mode = force_custom_plan"
