@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psycopg
 import sqlalchemy as sa
-from broker import BrokerProcess  # bench/broker.py
+from broker import BrokerProcess, cpu_seconds  # bench/broker.py
 from sqlalchemy.orm import Session
 
 import qmq
@@ -40,6 +40,7 @@ from qmq.outbox.schema import outbox
 ROOT = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get("QMQ_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 BODY = {"order": "x" * 1000}  # about 1 KiB as JSON
+RELAY_APP_NAME = "qmq-bench-relay"
 orders = sa.Table(
     "bench_orders",
     sa.MetaData(),
@@ -149,8 +150,10 @@ def commit_to_stored(rate: float, seconds: float) -> tuple[float, float, int]:
     return latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)], total - len(latencies)
 
 
-def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float]:
-    """Rows/s of one `qmq relay` draining `rows` pending rows; also the seconds it took to load them."""
+def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float, dict[str, float]]:
+    """Rows/s of one `qmq relay` draining `rows` pending rows; the seconds it took to load them; and
+    the CPU each party spent per row (µs: PostgreSQL's backends serving the relay, the relay, the
+    broker), which a shared machine's load moves less than the rate."""
     db = Database()
     broker = BrokerProcess("sync")
     body = "{" + '"order":"' + "x" * 1000 + '"}'
@@ -182,8 +185,10 @@ def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float]:
             "WARNING",
         ],
         cwd=ROOT,
+        env={**os.environ, "PGAPPNAME": RELAY_APP_NAME},  # libpq names the relay's connections
     )
     started = time.monotonic()
+    broker_cpu = cpu_seconds(broker.proc.pid)
     # Whether any row is still pending: the first entry of the pending index. A count of the pending
     # rows every 0.2 s was a parallel scan of up to a million entries, which took PostgreSQL's CPU (both
     # cores, with its workers) from the drain it measured.
@@ -196,11 +201,23 @@ def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float]:
                 break
             time.sleep(0.2)
     elapsed = time.monotonic() - started
+    cpu_us = {
+        "PostgreSQL": sum(map(cpu_seconds, relay_backends(db))),  # backends started with the relay
+        "relay": cpu_seconds(relay.pid),
+        "broker": cpu_seconds(broker.proc.pid) - broker_cpu,
+    }
     relay.terminate()
     relay.wait(60)
     broker.stop()
     db.drop()
-    return rows / elapsed, loaded
+    return rows / elapsed, loaded, {party: seconds / rows * 1e6 for party, seconds in cpu_us.items()}
+
+
+def relay_backends(db: Database) -> list[int]:
+    """The PostgreSQL backends of the relay's connections (named by its PGAPPNAME)."""
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        query = "SELECT pid FROM pg_stat_activity WHERE datname = %s AND application_name = %s"
+        return [pid for (pid,) in conn.execute(query, (db.name, RELAY_APP_NAME))]
 
 
 def main() -> None:
@@ -241,10 +258,12 @@ def main() -> None:
             f"(target p99 < 5 ms){f', {missing} not stored' if missing else ''}"
         )
     if args.case in (None, "drain"):
-        rate, loaded = drain(args.rows, args.batch, args.concurrency)
+        rate, loaded, cpu_us = drain(args.rows, args.batch, args.concurrency)
         print(
             f"drain: {args.rows:,} rows, batch {args.batch}, {args.concurrency} threads: {rate:,.0f} msg/s "
-            f"(target >= 40,000; rows loaded in {loaded:.0f} s)"
+            f"(target >= 40,000; rows loaded in {loaded:.0f} s); CPU per row: "
+            + ", ".join(f"{party} {us:.1f} µs" for party, us in cpu_us.items())
+            + f" ({sum(cpu_us.values()):.1f} in all); load {os.getloadavg()[0]:.1f}"
         )
 
 
