@@ -214,10 +214,11 @@ def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float, dict[s
 
 
 def relay_backends(db: Database) -> list[int]:
-    """The PostgreSQL backends of the relay's connections (named by its PGAPPNAME)."""
+    """The PostgreSQL backends of the relay's connections (named by its PGAPPNAME), on this machine."""
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         query = "SELECT pid FROM pg_stat_activity WHERE datname = %s AND application_name = %s"
-        return [pid for (pid,) in conn.execute(query, (db.name, RELAY_APP_NAME))]
+        pids = [pid for (pid,) in conn.execute(query, (db.name, RELAY_APP_NAME))]
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]  # none: PostgreSQL is on another host
 
 
 def main() -> None:
