@@ -27,6 +27,7 @@ from tests.support.broker import ROOT, Broker, restart_broker, start_broker
 from tests.support.databases import fresh_database
 from tests.support.processes import free_port, wait_for_port
 from tests.support.replication import start_meta as start_meta_on
+from tests.support.replication import wait_role
 from tests.test_meta import wait_until as poll_until
 
 HOST = "127.0.0.1"
@@ -362,8 +363,9 @@ def test_a_hung_meta_server_holds_a_send_only_until_the_next_one_is_asked(proces
     with fresh_database(pg_url) as url:
         (hung, hung_port), (_, port) = (start_meta_on(processes, url, name=f"meta{i}") for i in (1, 2))
         metas = f"{HOST}:{hung_port},{HOST}:{port}"
-        start_broker(processes, tmp_path / "b", "--meta", metas, "--group", "gh", name="b")
+        broker = start_broker(processes, tmp_path / "b", "--meta", metas, "--group", "gh", name="b")
         wait_until(lambda: registered_groups(f"{HOST}:{port}") == {"gh"}, "the broker registered")
+        wait_role(broker, "master")  # registered is not yet told: a pending broker refuses the send
         os.kill(hung.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
