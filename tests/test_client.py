@@ -344,6 +344,8 @@ def test_with_a_meta_server_send_retries_on_the_other_group(processes, tmp_path)
         start_broker(processes, tmp_path / name, "--meta", meta, "--group", name, name=name) for name in ("ga", "gb")
     ]
     wait_until(lambda: registered_groups(meta) == {"ga", "gb"}, "both brokers registered")
+    for broker in brokers:
+        wait_role(broker, "master")  # else the warm-up's sends may all go to the other group
     with Client(meta=meta, client_id="meta-client") as client:
         subscription = client.subscribe("routed", "g")
         assert {g.name for g in client.route("routed").groups} == {"ga", "gb"}

@@ -18,6 +18,7 @@ from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 from tests.support.broker import ROOT, start_broker
 from tests.support.processes import free_port, wait_for_port
+from tests.support.replication import wait_role
 from tests.test_meta import wait_until
 
 HOST = "127.0.0.1"
@@ -87,7 +88,7 @@ def cluster(processes, tmp_path):
     wait_for_port(port, meta)
     wait_for_port(external, meta)
     broker_port = free_port()
-    start_broker(
+    broker = start_broker(
         processes,
         tmp_path / "broker",
         "--meta",
@@ -100,6 +101,7 @@ def cluster(processes, tmp_path):
         f"{HOST}:{broker_port}",
         port=broker_port,
     )
+    wait_role(broker, "master")  # a send to a broker still pending is refused
     conn = BlockingConnection.open(HOST, port, client_id="listener-test", token="")
     try:
         yield port, external, broker_port, conn
