@@ -68,10 +68,11 @@ class Database:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 
 
-def transactions(threads: int, seconds: float, with_send: bool) -> tuple[float, float]:
+def transactions(threads: int, seconds: float, with_send: bool) -> tuple[float, dict[str, float]]:
     """Business transactions per second: each inserts one order (and sends one message); and the CPU
-    time this process spent per transaction (µs: the application threads and the after-commit sender),
-    which the load of a shared machine moves less than the rate."""
+    each party spent per transaction (µs: this process, i.e. the application threads and the
+    after-commit sender; PostgreSQL's backends of its database; the broker), which the load of a
+    shared machine moves less than the rate."""
     db = Database()
     broker = BrokerProcess("sync")
     producer = qmq.Producer(brokers=[f"127.0.0.1:{broker.port}"], engine=db.engine)
@@ -93,7 +94,7 @@ def transactions(threads: int, seconds: float, with_send: bool) -> tuple[float, 
             place_order()
             done[i] += 1
 
-    started, cpu_started = time.monotonic(), time.process_time()
+    started, cpu_started, broker_cpu = time.monotonic(), time.process_time(), cpu_seconds(broker.proc.pid)
     workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
     for w in workers:
         w.start()
@@ -101,11 +102,16 @@ def transactions(threads: int, seconds: float, with_send: bool) -> tuple[float, 
         w.join()
     elapsed = time.monotonic() - started
     producer.flush(60)
-    cpu_us = (time.process_time() - cpu_started) / max(sum(done), 1) * 1e6
+    cpu_s = {
+        "app": time.process_time() - cpu_started,
+        # the pool's backends, opened during the run (the migration's connection is closed)
+        "PostgreSQL": sum(map(cpu_seconds, backends(db))),
+        "broker": cpu_seconds(broker.proc.pid) - broker_cpu,
+    }
     producer.close()
     broker.stop()
     db.drop()
-    return sum(done) / elapsed, cpu_us
+    return sum(done) / elapsed, {party: seconds / max(sum(done), 1) * 1e6 for party, seconds in cpu_s.items()}
 
 
 def commit_to_stored(rate: float, seconds: float) -> tuple[float, float, int]:
@@ -202,7 +208,7 @@ def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float, dict[s
             time.sleep(0.2)
     elapsed = time.monotonic() - started
     cpu_us = {
-        "PostgreSQL": sum(map(cpu_seconds, relay_backends(db))),  # backends started with the relay
+        "PostgreSQL": sum(map(cpu_seconds, backends(db, RELAY_APP_NAME))),  # backends started with the relay
         "relay": cpu_seconds(relay.pid),
         "broker": cpu_seconds(broker.proc.pid) - broker_cpu,
     }
@@ -213,12 +219,22 @@ def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float, dict[s
     return rows / elapsed, loaded, {party: seconds / rows * 1e6 for party, seconds in cpu_us.items()}
 
 
-def relay_backends(db: Database) -> list[int]:
-    """The PostgreSQL backends of the relay's connections (named by its PGAPPNAME), on this machine."""
+def backends(db: Database, app_name: str | None = None) -> list[int]:
+    """The PostgreSQL backends of `db`'s connections (only those named `app_name` by their PGAPPNAME,
+    when given), on this machine."""
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        query = "SELECT pid FROM pg_stat_activity WHERE datname = %s AND application_name = %s"
-        pids = [pid for (pid,) in conn.execute(query, (db.name, RELAY_APP_NAME))]
+        query = "SELECT pid FROM pg_stat_activity WHERE datname = %s AND (%s::text IS NULL OR application_name = %s)"
+        pids = [pid for (pid,) in conn.execute(query, (db.name, app_name, app_name))]
     return [pid for pid in pids if Path(f"/proc/{pid}").exists()]  # none: PostgreSQL is on another host
+
+
+def cpu_text(cpu_us: dict[str, float]) -> str:
+    """CPU µs per transaction (or row) of each party, and in all."""
+    return (
+        "CPU each: "
+        + ", ".join(f"{party} {us:.0f}" for party, us in cpu_us.items())
+        + f" µs ({sum(cpu_us.values()):.0f} in all)"
+    )
 
 
 def main() -> None:
@@ -246,8 +262,8 @@ def main() -> None:
             (plain, plain_cpu), (outboxed, outboxed_cpu) = figures[False], figures[True]
             losses.append((1 - outboxed / plain) * 100)
             print(
-                f"tx round {n + 1}: {args.threads} threads: without send {plain:,.0f} tx/s ({plain_cpu:.0f} µs CPU "
-                f"each), with send {outboxed:,.0f} tx/s ({outboxed_cpu:.0f} µs CPU each): {losses[-1]:.1f}% fewer; "
+                f"tx round {n + 1}: {args.threads} threads: without send {plain:,.0f} tx/s ({cpu_text(plain_cpu)}), "
+                f"with send {outboxed:,.0f} tx/s ({cpu_text(outboxed_cpu)}): {losses[-1]:.1f}% fewer; "
                 f"load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
