@@ -108,6 +108,10 @@ if [ -z "${QMQ_REDIS_URL:-}" ] && ! port_open 127.0.0.1 "$REDIS_PORT"; then
     redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save "" --appendonly no >/dev/null
     wait_port 127.0.0.1 "$REDIS_PORT" || die "Redis did not come up on 127.0.0.1:$REDIS_PORT"
 fi
+# --- PgBouncer, which tests/test_outbox_pgbouncer.py starts in front of PostgreSQL (transaction mode) ---
+if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then
+    apt_install pgbouncer || die "pgbouncer is missing and cannot be installed here: install Debian's pgbouncer package"
+fi
 # --- the compose cluster's test (tests/test_compose.py): Debian's docker.io (dockerd, which the test
 # starts when no daemon runs), docker-compose, and debootstrap for the local base image -----------------
 if ! command -v docker-compose >/dev/null; then

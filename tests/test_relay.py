@@ -33,6 +33,7 @@ from tests.test_meta import log_text
 
 FLAG_AFTER_S, FLAG_ATTEMPTS = 600.0, 10  # the relay's flagging settings in the housekeeping tests
 LATE_STOP_SLACK_S = 6.0  # the stop's own work on a loaded machine; a send thread holds it 10 s or more
+LEASE_S = 30.0  # the lease the takes of these tests run under
 
 
 @pytest.fixture
@@ -371,34 +372,62 @@ def test_the_relay_looks_at_a_bounded_number_of_rows_to_know_how_long_to_sleep(e
 
 
 def test_the_takes_are_planned_for_the_table_as_it_is_not_as_it_was_when_first_prepared(engine) -> None:
-    """The sender and the relay hold their connections for hours, and psycopg prepares their takes.
+    """The sender and the relay hold their connections for hours. When psycopg prepared their takes,
     PostgreSQL's generic plan of `take_leased`, made while the table was small, read the whole table
     (a sequential scan) and stayed cached until the table was next analyzed: in bench/outbox.py the
     sender's take of one row cost 1 ms after 10 s, and commit to stored p99 went from 3 to 7 ms. The
-    shipping sessions plan each take for the table as it is (`rows.session_settings`)."""
+    takes are not prepared (qmq/outbox/rows.py): each is planned for the table as it is."""
     plans: list[str] = []
     with engine.connect() as conn:
-        conn.exec_driver_sql(rows.session_settings(30.0))
         conn.exec_driver_sql("LOAD 'auto_explain'")  # each statement's plan, as run, sent as a notice
         conn.exec_driver_sql("SET auto_explain.log_min_duration = 0; SET client_min_messages = log")
         conn.commit()
         conn.connection.dbapi_connection.add_notice_handler(lambda notice: plans.append(notice.message_primary))
-        for _ in range(10):  # the table empty: prepared (psycopg), then a generic plan (PostgreSQL)
+        for _ in range(10):  # the table empty: were they prepared, PostgreSQL would now use a generic plan
             with conn.begin():
-                rows.take_leased(conn, [str(uuid.uuid4())], "sender")
-                rows.take_due(conn, 10)
+                rows.take_leased(conn, [str(uuid.uuid4())], "sender", LEASE_S)
+                rows.take_due(conn, 10, LEASE_S)
         lease = datetime.now(UTC) + timedelta(minutes=5)
         leased = [{"message_id": str(uuid.uuid4()), "lease_token": "sender", "lease_expires_at": lease}]
         add_pending(engine, *leased)
         add_pending(engine, *({"next_attempt_at": datetime.now(UTC)} for _ in range(5000)))
         plans.clear()
         with conn.begin():
-            assert rows.take_leased(conn, [leased[0]["message_id"]], "sender") == {leased[0]["message_id"]}
-            assert len(rows.take_due(conn, 10)) == 10
+            assert rows.take_leased(conn, [leased[0]["message_id"]], "sender", LEASE_S) == {leased[0]["message_id"]}
+            assert len(rows.take_due(conn, 10, LEASE_S)) == 10
     takes = [plan for plan in plans if "UPDATE qmq_outbox" in plan]
     assert len(takes) == 2, plans
     for plan in takes:
         assert "Seq Scan" not in plan, plan
+
+
+def test_a_shipping_transaction_sets_its_settings_for_itself_and_leaves_the_session_as_it_was(engine) -> None:
+    """A take (and ordered shipping, by `rows.set_local_settings`) makes its own transaction end when
+    left idle longer than the lease, and commit without waiting for the WAL flush; the session, which
+    is the application's (or PgBouncer's, shared with every client), keeps its defaults."""
+    lease = datetime.now(UTC) + timedelta(minutes=5)
+    leased = {"message_id": str(uuid.uuid4()), "lease_token": "sender", "lease_expires_at": lease}
+    add_pending(engine, leased)
+    add_pending(engine, {"next_attempt_at": datetime.now(UTC)})
+    takes = {
+        "take_leased": lambda conn: rows.take_leased(conn, [leased["message_id"]], "sender", 12.5),
+        "take_due": lambda conn: rows.take_due(conn, 10, 12.5),
+        "set_local_settings": lambda conn: rows.set_local_settings(conn, 12.5) or True,
+    }
+
+    def settings(conn) -> tuple[str, str]:
+        return (
+            conn.exec_driver_sql("SHOW synchronous_commit").scalar(),
+            conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar(),
+        )
+
+    with engine.connect() as conn:
+        for name, take in takes.items():
+            with conn.begin():
+                assert take(conn), name  # a row taken (or the settings set)
+                assert settings(conn) == ("off", "12500ms"), name
+            assert settings(conn) == ("on", "0"), name
+            conn.rollback()  # the SHOWs began a transaction
 
 
 def plan_nodes(node: dict):

@@ -194,14 +194,18 @@ def _give_back(conn: sa.Connection, message_ids: Sequence[str], token: str) -> N
 # ---- the after-commit sender -------------------------------------------------------------------------
 
 
-def ship_offered(conn: sa.Connection, client: Client, shipments: Sequence[Shipment], token: str) -> OrderedReport:
+def ship_offered(
+    conn: sa.Connection, client: Client, shipments: Sequence[Shipment], token: str, lease_s: float
+) -> OrderedReport:
     """Ship ordered messages the after-commit sender was handed (rows leased to `token`): a key's
-    rows only when no earlier row of the key is pending; the others are given back to the relay."""
+    rows only when no earlier row of the key is pending; the others are given back to the relay. A
+    transaction left idle longer than `lease_s` is ended by the server (`rows.set_local_settings`)."""
     report = OrderedReport()
     mine = {s.message.id: s for s in shipments}
     keys = sorted({(s.message.subject, s.message.order_key) for s in shipments if s.message.order_key})
     with conn.begin():
         _begin_writing(conn)
+        rows.set_local_settings(conn, lease_s)
         locked = lock_keys(conn, keys)
         locked_set = set(locked)
         report.given_back += [i for i, s in mine.items() if (s.message.subject, s.message.order_key) not in locked_set]
@@ -260,17 +264,24 @@ def _ready_heads(conn: sa.Connection) -> list[Key]:
 
 
 def ship_ready_keys(
-    conn: sa.Connection, client: Client, *, max_keys: int = RELAY_KEYS, per_key: int = RELAY_ROWS_PER_KEY
+    conn: sa.Connection,
+    client: Client,
+    lease_s: float,
+    *,
+    max_keys: int = RELAY_KEYS,
+    per_key: int = RELAY_ROWS_PER_KEY,
 ) -> OrderedReport | None:
     """One relay pass over ordered rows: lock up to `max_keys` keys whose oldest row is ready, ship
     each key's run of due rows (rows leased to a sender are taken over: under the key's lock nobody
-    else ships them) and record the outcome; None when no key was ready."""
+    else ships them) and record the outcome; None when no key was ready. A transaction left idle
+    longer than `lease_s` is ended by the server (`rows.set_local_settings`)."""
     with conn.begin():
         _begin_writing(conn)
         candidates = _ready_heads(conn)
         if not candidates:
             return None
         random.shuffle(candidates)  # relays sharing a database start on different keys
+        rows.set_local_settings(conn, lease_s)
         locked = lock_keys(conn, candidates, max_keys)
         if not locked:
             return OrderedReport()

@@ -16,7 +16,6 @@ hand.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -93,8 +92,6 @@ class DatabaseRelay:
         self, url: str, new_client: Callable[[], Client], settings: RelaySettings, stop: threading.Event
     ) -> None:
         self.engine = create_engine(url)
-        if self.engine.dialect.name == "postgresql":
-            sa.event.listen(self.engine, "connect", functools.partial(_configure, settings.lease_s))
         self.name = safe_url(self.engine)
         self.new_client = new_client
         self.settings = settings
@@ -219,7 +216,7 @@ class DatabaseRelay:
         started = time.perf_counter()
         if conn.dialect.name == "postgresql":
             with conn.begin():  # the rows are ours until the commit: taken, shipped, failures given back
-                claimed = rows.take_due(conn, self.settings.batch_rows)
+                claimed = rows.take_due(conn, self.settings.batch_rows, self.settings.lease_s)
                 if not claimed:
                     return None
                 report = shipping.ship_taken(conn, client, [shipping.shipment(r) for r in claimed])
@@ -248,7 +245,7 @@ class DatabaseRelay:
         """One pass over ordered rows: the keys whose oldest row is ready, each shipped in order under
         its lock (qmq/outbox/ordered_shipping.py); None when no key was ready."""
         started = time.perf_counter()
-        report = ordered_shipping.ship_ready_keys(conn, client)
+        report = ordered_shipping.ship_ready_keys(conn, client, self.settings.lease_s)
         if report is None or not report.keys:
             return report
         self._record(started, report.sent, report.failed, "ordered rows not shipped, their keys wait for the backoff")
@@ -362,14 +359,6 @@ class Relay:
         for database in self.databases:
             database.engine.dispose()
         return reports
-
-
-def _configure(lease_s: float, dbapi_connection: Any, connection_record: Any) -> None:
-    """A new PostgreSQL connection of the relay: the session settings of shipping in one transaction."""
-    cursor = dbapi_connection.cursor()
-    cursor.execute(rows.session_settings(lease_s))
-    cursor.close()
-    dbapi_connection.commit()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -223,8 +223,55 @@ def claim_due(conn: sa.Connection, token: str, limit: int, lease_s: float) -> li
 # then does the transaction commit. Until the commit nobody else sees the mark, and the row locks the
 # UPDATE holds are the lease: other shippers skip them (SKIP LOCKED), a shipper that dies drops them
 # with its connection at once, and one that hangs is cut off after the lease by
-# `idle_in_transaction_session_timeout` (`session_settings`). One write per row instead of a claim and a
-# mark, and one round trip less per batch.
+# `idle_in_transaction_session_timeout`. One write per row instead of a claim and a mark, and one round
+# trip less per batch.
+#
+# Settings and statements are the transaction's own, never the session's, because the connection is
+# the application's and may be a PgBouncer server connection shared in transaction mode: the takes set
+# what they need with `set_config(..., true)` inside their own statement (`_settings`, no extra
+# round trip), and are not prepared (a named statement would live on one server connection only). An
+# unprepared statement is also planned for its parameters and the table as it is each time: a generic
+# plan, cached on a connection held for hours while the table was small, read all of it on every take
+# once it had grown.
+
+
+def _settings() -> sa.Select:
+    """What a shipping transaction sets for itself (parameter `lease_ms`, as text): a transaction left
+    idle longer than the lease (a send that hangs) is ended by the server, its rows given back; and
+    its commit does not wait for its WAL flush: a mark lost in a PostgreSQL crash means the row is
+    shipped again (a duplicate, which consumers drop by id), never a lost message."""
+    lease = sa.bindparam("lease_ms", type_=sa.Text)
+    return sa.select(
+        sa.func.set_config("idle_in_transaction_session_timeout", lease, True).label("idle_timeout"),
+        sa.func.set_config("synchronous_commit", "off", True).label("synchronous_commit"),
+    )
+
+
+def _taking(where: sa.ColumnElement, returning: Sequence[sa.ColumnElement]) -> sa.Update:
+    """The take: mark the rows `where` selects sent, and set the transaction's settings (`_settings`)
+    in the same statement, as a one-row CTE the UPDATE joins: computed once; a take that finds no row
+    may skip it, and then has nothing to protect."""
+    settings = _settings().cte("qmq_local_settings")
+    return (
+        outbox.update()
+        .add_cte(settings)
+        .where(where, settings.c.synchronous_commit.is_not(None))
+        .values(**_mark_taken())
+        .returning(*returning)
+    )
+
+
+def set_local_settings(conn: sa.Connection, lease_s: float) -> None:
+    """PostgreSQL, at the start of a shipping transaction that takes no rows by `take_due` or
+    `take_leased` (ordered shipping): the takes' settings (`_settings`), for this transaction only.
+    Elsewhere nothing."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(_settings(), {"lease_ms": lease_ms(lease_s)})
+
+
+def lease_ms(lease_s: float) -> str:
+    """A lease as `idle_in_transaction_session_timeout` takes it through set_config: whole ms, text."""
+    return str(max(1, int(lease_s * 1000)))
 
 
 def _mark_taken() -> dict[str, Any]:
@@ -241,11 +288,12 @@ def _mark_taken() -> dict[str, Any]:
 _TAKE_DUE: dict[int, tuple[str, dict[str, Any]]] = {}
 
 
-def take_due(conn: sa.Connection, limit: int) -> list[ClaimedRow]:
+def take_due(conn: sa.Connection, limit: int, lease_s: float) -> list[ClaimedRow]:
     """PostgreSQL, in the caller's open transaction: mark up to `limit` due, unleased, unordered rows
     sent, oldest due first, and return them; rows another transaction holds are skipped. The caller
-    ships them, gives the failures back and commits; a rollback (or a lost connection) leaves them all
-    pending. The statement is compiled once and run on the DB-API cursor: it is the relay's inner loop."""
+    ships them, gives the failures back and commits within `lease_s` (idle longer, the server ends the
+    transaction); a rollback (or a lost connection) leaves them all pending. The statement is compiled
+    once and run on the DB-API cursor: it is the relay's inner loop."""
     sql = _TAKE_DUE.get(limit)
     if sql is None:
         due = _due_ids(sa.func.now(), limit)
@@ -257,13 +305,12 @@ def take_due(conn: sa.Connection, limit: int) -> list[ClaimedRow]:
             "deliver_at": _epoch_ms(outbox.c.deliver_at).label("deliver_at"),
         }
         returned = [replaced.get(c.name, c) for c in _CLAIMED_COLUMNS]
-        stmt = outbox.update().where(outbox.c.id.in_(due)).values(**_mark_taken()).returning(*returned)
-        compiled = stmt.compile(dialect=conn.dialect)
+        compiled = _taking(outbox.c.id.in_(due), returned).compile(dialect=conn.dialect)
         sql = _TAKE_DUE[limit] = (str(compiled), dict(compiled.params))
     # binary: bodies arrive as bytes, not as hex text to decode
     cursor = conn.connection.dbapi_connection.cursor(binary=True)  # type: ignore[union-attr]
     try:
-        cursor.execute(sql[0], sql[1], prepare=True)
+        cursor.execute(sql[0], {**sql[1], "lease_ms": lease_ms(lease_s)}, prepare=False)
         return list(map(_claimed_row, cursor.fetchall()))
     finally:
         cursor.close()
@@ -277,7 +324,7 @@ def _epoch_ms(column: sa.Column) -> sa.ColumnElement:
 _TAKE_LEASED: list[tuple[str, dict[str, Any]]] = []
 
 
-def take_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) -> set[str]:
+def take_leased(conn: sa.Connection, message_ids: Sequence[str], token: str, lease_s: float) -> set[str]:
     """PostgreSQL, in the caller's open transaction: mark sent the rows among `message_ids` that exist,
     are pending and leased to `token`, skipping any another transaction holds; their ids. A row rolled
     back with its transaction (or savepoint) is not there. Then as for `take_due`; compiled once and
@@ -292,14 +339,13 @@ def take_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) -> 
             .where(outbox.c.state == PENDING)
             .with_for_update(skip_locked=True)
         )
-        stmt = outbox.update().where(outbox.c.id.in_(mine)).values(**_mark_taken()).returning(outbox.c.message_id)
-        compiled = stmt.compile(dialect=conn.dialect)
+        compiled = _taking(outbox.c.id.in_(mine), [outbox.c.message_id]).compile(dialect=conn.dialect)
         _TAKE_LEASED.append((str(compiled), dict(compiled.params)))
     sql, params = _TAKE_LEASED[0]
-    values = {**params, "ids": list(message_ids), "token": token}
+    values = {**params, "ids": list(message_ids), "token": token, "lease_ms": lease_ms(lease_s)}
     cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
     try:
-        cursor.execute(sql, values, prepare=True)
+        cursor.execute(sql, values, prepare=False)
         return {row[0] for row in cursor.fetchall()}
     finally:
         cursor.close()
@@ -325,22 +371,6 @@ def give_back(conn: sa.Connection, failures: Sequence[Failure]) -> int:
         for f in failures
     ]
     return conn.execute(stmt, params).rowcount
-
-
-def session_settings(lease_s: float) -> str:
-    """The SET for a PostgreSQL connection that ships by `take_due`/`take_leased`: a transaction left
-    idle longer than the lease (a send that hangs) is ended by the server, its rows given back; and the
-    commit does not wait for its WAL flush: a mark lost in a PostgreSQL crash means the row is shipped
-    again (a duplicate, which consumers drop by id), never a lost message. Each take is planned for the
-    table as it is: psycopg prepares the takes on a connection held for hours, and a generic plan made
-    while the table was small read all of it on every take once it had grown."""
-    return (
-        f"SET idle_in_transaction_session_timeout = {int(lease_s * 1000)}; SET synchronous_commit = off; "
-        "SET plan_cache_mode = force_custom_plan"
-    )
-
-
-RESET_SESSION_SETTINGS = "RESET idle_in_transaction_session_timeout; RESET synchronous_commit; RESET plan_cache_mode"
 
 
 def still_leased(conn: sa.Connection, message_ids: Sequence[str], token: str) -> set[str]:

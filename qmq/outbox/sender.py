@@ -150,7 +150,7 @@ class Sender:
                     self._log_error("after-commit send of %d messages failed, left for the relay: %s", len(batch), exc)
                     if conn is not None:
                         with contextlib.suppress(Exception):
-                            conn.invalidate()  # not back to the application's pool with our settings
+                            conn.invalidate()  # not back to the application's pool in an unknown state
                             conn.close()
                     conn = None
                 finally:
@@ -158,10 +158,6 @@ class Sender:
             if stop:
                 break
         if conn is not None:
-            with contextlib.suppress(Exception):
-                if conn.dialect.name == "postgresql":
-                    conn.exec_driver_sql(rows.RESET_SESSION_SETTINGS)
-                    conn.commit()
             conn.close()
         if client is not None:
             client.close()
@@ -194,13 +190,10 @@ class Sender:
         return batch, stop
 
     def _connect(self) -> sa.Connection:
-        """The sender's connection, held across batches (no checkout, no ping each time); on
-        PostgreSQL with the session settings of shipping in one transaction, reset when it goes back."""
-        conn = self._engine_factory().connect()
-        if conn.dialect.name == "postgresql":
-            conn.exec_driver_sql(rows.session_settings(self.lease_s))
-            conn.commit()
-        return conn
+        """The sender's connection, held across batches (no checkout, no ping each time). It sets
+        nothing on the session (each shipping transaction sets its own, qmq/outbox/rows.py), so it
+        goes back to the application's pool, or to PgBouncer's, as it came."""
+        return self._engine_factory().connect()
 
     def _done(self, count: int) -> None:
         with self._idle:
@@ -223,7 +216,7 @@ class Sender:
         ids = [s.message.id for s in batch]
         if conn.dialect.name == "postgresql":
             with conn.begin():  # the rows are ours until the commit: taken, shipped, failures given back
-                taken = rows.take_leased(conn, ids, self.token)
+                taken = rows.take_leased(conn, ids, self.token, self.lease_s)
                 confirmed = [s for s in batch if s.message.id in taken]
                 if not confirmed:
                     return
@@ -240,7 +233,7 @@ class Sender:
     def _ship_ordered(self, conn: sa.Connection, client: Client, batch: list[Shipment]) -> None:
         """Ordered messages: shipped under their keys' locks when no earlier row of the key is
         pending, else given back to the relay (qmq/outbox/ordered_shipping.py)."""
-        report = ordered_shipping.ship_offered(conn, client, batch, self.token)
+        report = ordered_shipping.ship_offered(conn, client, batch, self.token, self.lease_s)
         if report.given_back:
             LEFT_FOR_RELAY.labels("ordered_behind").inc(len(report.given_back))
         self._count(report.sent, report.failed, "ordered messages")

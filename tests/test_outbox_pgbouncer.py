@@ -1,0 +1,84 @@
+"""The producer behind PgBouncer in transaction mode (a real PgBouncer, tests/support/pgbouncer.py).
+
+There, consecutive transactions of one client connection may run on different server connections,
+and one server connection serves every client in turn: whatever a client leaves on the session (a
+SET, a named prepared statement) reaches the others' transactions, or is missing from its own next
+one. The after-commit sender ships on a connection of the application's engine, so it must leave
+nothing: its settings are its transactions' own (`set_config(..., true)` in its statements) and its
+statements are not prepared (qmq/outbox/rows.py). Before, it SET `synchronous_commit = off` on the
+session: behind PgBouncer every other client's commits stopped waiting for the WAL flush.
+"""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+import qmq
+from qmq.db.migrate import upgrade
+from tests.support.databases import fresh_database
+from tests.support.outbox import consume, states
+from tests.support.pgbouncer import start_pgbouncer
+
+MESSAGES = 30
+ORDERED = 6  # of them, in one key (shipped by ordered shipping, its own transactions)
+
+orders = sa.Table("orders", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True))
+
+
+@pytest.fixture
+def through_pgbouncer(processes, tmp_path, pg_url):
+    """(direct URL, URL through PgBouncer) of a fresh database with qmq's tables and an orders table."""
+    with fresh_database(pg_url) as url:
+        upgrade(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE orders (id integer PRIMARY KEY)")
+        server = psycopg.conninfo.conninfo_to_dict(url)
+        port = start_pgbouncer(processes, tmp_path / "pgbouncer", server["host"], int(server.get("port", 5432)))
+        yield url, f"postgresql+psycopg://postgres@127.0.0.1:{port}/{server['dbname']}"
+
+
+def session_state(url: str) -> tuple[str, str, int]:
+    """What a new client of PgBouncer finds on the (one) server connection: synchronous_commit,
+    idle_in_transaction_session_timeout, and how many named prepared statements it holds."""
+    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True, prepare_threshold=None) as conn:
+        return (
+            conn.execute("SHOW synchronous_commit").fetchone()[0],
+            conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0],
+            conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0],
+        )
+
+
+def test_the_after_commit_sender_behind_pgbouncer_ships_everything_and_leaves_nothing_on_the_session(
+    through_pgbouncer, broker
+) -> None:
+    direct, bounced = through_pgbouncer
+    # As psycopg's documentation says for PgBouncer in transaction mode: no automatic prepares.
+    engine = sa.create_engine(bounced, connect_args={"prepare_threshold": None})
+    producer = qmq.Producer(brokers=[broker.address], engine=engine)
+
+    @qmq.transactional(producer)
+    def place_order(session: Session, order_id: int) -> str:
+        session.execute(orders.insert().values(id=order_id))
+        order_key = "customer-1" if order_id < ORDERED else None
+        return producer.send("order.placed", {"order": order_id}, order_key=order_key)
+
+    try:
+        sent = [place_order(order_id=i) for i in range(MESSAGES)]
+        assert producer.flush(10)
+        # No relay runs: every row marked sent was shipped by the after-commit sender, through PgBouncer.
+        direct_engine = sa.create_engine(direct.replace("postgresql://", "postgresql+psycopg://"))
+        try:
+            assert states(direct_engine) == dict.fromkeys(sent, "sent")
+        finally:
+            direct_engine.dispose()
+        # The sender still holds its connection; the server connection under it is everyone's.
+        assert session_state(bounced) == ("on", "0", 0)
+    finally:
+        producer.close()
+        engine.dispose()
+    # The unordered ones on the subject (the ordered ones are on their key's queue, docs/ordering.md).
+    delivered = consume(broker.address, "order.placed", MESSAGES - ORDERED)
+    assert sorted(d.id for d in delivered) == sorted(sent[ORDERED:])
