@@ -1,4 +1,5 @@
-"""The producer behind PgBouncer in transaction mode (a real PgBouncer, tests/support/pgbouncer.py).
+"""The producer and `qmq relay --no-listen` behind PgBouncer in transaction mode (a real PgBouncer,
+tests/support/pgbouncer.py).
 
 There, consecutive transactions of one client connection may run on different server connections,
 and one server connection serves every client in turn: whatever a client leaves on the session (a
@@ -21,9 +22,12 @@ from qmq.db.migrate import upgrade
 from tests.support.databases import fresh_database
 from tests.support.outbox import consume, states
 from tests.support.pgbouncer import start_pgbouncer
+from tests.support.waiting import wait_until
 
 MESSAGES = 30
 ORDERED = 6  # of them, in one key (shipped by ordered shipping, its own transactions)
+WAVES = 6  # the relay's test sends its messages in waves, each shipped before the next is sent
+SHIPPED_WITHIN_S = 30.0
 
 orders = sa.Table("orders", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True))
 
@@ -82,3 +86,34 @@ def test_the_after_commit_sender_behind_pgbouncer_ships_everything_and_leaves_no
     # The unordered ones on the subject (the ordered ones are on their key's queue, docs/ordering.md).
     delivered = consume(broker.address, "order.placed", MESSAGES - ORDERED)
     assert sorted(d.id for d in delivered) == sorted(sent[ORDERED:])
+
+
+def test_the_relay_behind_pgbouncer_polls_ships_everything_and_leaves_nothing_on_the_session(
+    through_pgbouncer, broker, processes
+) -> None:
+    """`qmq relay --no-listen` through PgBouncer: no LISTEN (session state), nothing prepared on its
+    connections, the shipping settings its transactions' own; it finds the rows by polling."""
+    direct, bounced = through_pgbouncer
+    direct_engine = sa.create_engine(direct.replace("postgresql://", "postgresql+psycopg://"))
+    producer = qmq.Producer(brokers=[broker.address], engine=direct_engine, after_commit=False)
+    relay = processes.start(
+        ["-m", "qmq", "relay", "--db", bounced, "--broker", broker.address, "--no-listen", "--poll-interval", "0.1"],
+        name="relay",
+    )
+    try:
+        sent: list[str] = []
+        for wave in range(WAVES):  # each found by a poll: the relay's statements run many times
+            wave_ids = [producer.send_now("order.placed", {"wave": wave, "n": n}) for n in range(MESSAGES // WAVES)]
+            wait_until(
+                lambda ids=wave_ids: {states(direct_engine).get(i) for i in ids} == {"sent"},
+                f"wave {wave} shipped",
+                SHIPPED_WITHIN_S,
+            )
+            sent += wave_ids
+        assert relay.poll() is None, "the relay exited"
+        assert session_state(bounced) == ("on", "0", 0)  # the relay still holds its connections
+    finally:
+        producer.close()
+        direct_engine.dispose()
+    delivered = consume(broker.address, "order.placed", len(sent))
+    assert sorted(d.id for d in delivered) == sorted(sent)

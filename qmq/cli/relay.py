@@ -63,6 +63,11 @@ DAY_S = 86400.0
     relay_module.FLAG_AFTER_ATTEMPTS,
     "failed attempts after which a row is flagged and logged",
 )
+@click.option(
+    "--no-listen",
+    is_flag=True,
+    help="do not LISTEN for the NOTIFY of new rows, only poll (behind PgBouncer in transaction mode)",
+)
 @metrics_port_option()
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @click.option("--once", is_flag=True, help="one sweep (ship what is due, flag, purge), print a JSON report, exit")
@@ -81,6 +86,7 @@ def relay(
     purge_batch: int,
     flag_after: float,
     flag_attempts: int,
+    no_listen: bool,
     metrics_port: int | None,
     metrics_host: str,
     once: bool,
@@ -103,6 +109,7 @@ def relay(
         purge_batch_rows=purge_batch,
         flag_after_s=flag_after,
         flag_after_attempts=flag_attempts,
+        listen=not no_listen,
     )
     service = Relay(
         urls,

@@ -62,6 +62,9 @@ class RelaySettings:
     purge_interval_s: float = PURGE_INTERVAL_S
     flag_after_s: float = FLAG_AFTER_S
     flag_after_attempts: int = FLAG_AFTER_ATTEMPTS
+    # PostgreSQL: wake on NOTIFY. Off behind PgBouncer in transaction mode, where LISTEN (session
+    # state) cannot work: the relay then polls every poll_interval_s.
+    listen: bool = True
 
 
 @dataclass
@@ -92,6 +95,8 @@ class DatabaseRelay:
         self, url: str, new_client: Callable[[], Client], settings: RelaySettings, stop: threading.Event
     ) -> None:
         self.engine = create_engine(url)
+        if self.engine.dialect.name == "postgresql":
+            sa.event.listen(self.engine, "connect", _prepare_nothing)
         self.name = safe_url(self.engine)
         self.new_client = new_client
         self.settings = settings
@@ -106,7 +111,7 @@ class DatabaseRelay:
     # ---- running as a service ----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.engine.dialect.name == "postgresql":
+        if self.engine.dialect.name == "postgresql" and self.settings.listen:
             self._listener = Listener(self.engine, self.wake, self.stop)
             self._listener.start()
         for i in range(self.settings.shipping_threads):
@@ -359,6 +364,14 @@ class Relay:
         for database in self.databases:
             database.engine.dispose()
         return reports
+
+
+def _prepare_nothing(dbapi_connection: Any, connection_record: Any) -> None:
+    """A new PostgreSQL connection of the relay prepares no statement (psycopg prepares one run five
+    times): a named statement lives on one server connection, which PgBouncer's transaction mode does
+    not keep for a client. The relay's statements run once per batch: a parse each is nothing beside
+    the batch."""
+    dbapi_connection.prepare_threshold = None
 
 
 def _first_line(exc: BaseException) -> str:

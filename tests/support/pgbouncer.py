@@ -1,5 +1,5 @@
 """A real PgBouncer in transaction mode in front of the test PostgreSQL server, for the tests of what
-the after-commit sender leaves on a connection that other clients share.
+the after-commit sender and the relay leave on a connection that other clients share.
 
 `start_pgbouncer` writes a config of its own (trust auth, one server connection per database and
 user, so that every client's transactions run on the same server connection), starts `pgbouncer`
