@@ -4,6 +4,7 @@ broker."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -18,20 +19,28 @@ import qmq
 from qmq.db.engine import create_engine
 from qmq.db.migrate import head_revision, upgrade
 from qmq.outbox.schema import outbox
+from tests.support.broker import HOST
 from tests.support.databases import fresh_database
 from tests.support.outbox import committed_ids, consume, states
+from tests.support.pgbouncer import shared_session, start_pgbouncer
+from tests.support.processes import ProcessManager
 from worker.schema import consumed
 
 ALIASES = ["default", "orders"]  # SQLite and PostgreSQL
+ORDERED_SENDS = 8  # more than psycopg's prepare_threshold (5)
 
 
 @pytest.fixture(scope="module")
 def django_dbs(pg_url, tmp_path_factory):
-    """Django configured with a SQLite alias and a PostgreSQL alias, both migrated; their SQLAlchemy
-    URLs by alias."""
+    """Django configured with a SQLite alias and a PostgreSQL alias, both migrated, and "bounced": the
+    PostgreSQL one's database through PgBouncer in transaction mode (tests/support/pgbouncer.py), as
+    Django's and qmq's guides set it up; their SQLAlchemy URLs by alias."""
     sqlite_path = tmp_path_factory.mktemp("django") / "default.sqlite3"
-    with fresh_database(pg_url) as url:
+    bouncers = ProcessManager(tmp_path_factory.mktemp("pgbouncer"))
+    with fresh_database(pg_url) as url, contextlib.ExitStack() as stop:
+        stop.callback(bouncers.stop_all)
         pg = sa.engine.make_url(url)
+        bouncer = start_pgbouncer(bouncers, bouncers.log_dir / "conf", pg.host, pg.port or 5432)
         settings.configure(
             INSTALLED_APPS=["qmq.contrib.django"],
             DATABASES={
@@ -47,6 +56,15 @@ def django_dbs(pg_url, tmp_path_factory):
                     "HOST": pg.host,
                     "PORT": str(pg.port or 5432),
                 },
+                "bounced": {
+                    "ENGINE": "django.db.backends.postgresql",
+                    "NAME": pg.database,
+                    "USER": pg.username,
+                    "HOST": HOST,
+                    "PORT": str(bouncer),
+                    "OPTIONS": {"prepare_threshold": None},  # docs/outbox.md, "Behind PgBouncer"
+                    "DISABLE_SERVER_SIDE_CURSORS": True,  # Django's guide for transaction pooling
+                },
             },
             USE_TZ=True,
         )
@@ -55,7 +73,8 @@ def django_dbs(pg_url, tmp_path_factory):
             call_command("migrate", database=alias, verbosity=0)
             with connections[alias].cursor() as cursor:
                 cursor.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, item VARCHAR(50))")
-        yield {"default": f"sqlite:///{sqlite_path}", "orders": url}
+        bounced = f"postgresql+psycopg://{pg.username}@{HOST}:{bouncer}/{pg.database}"
+        yield {"default": f"sqlite:///{sqlite_path}", "orders": url, "bounced": bounced}
         connections.close_all()
 
 
@@ -204,3 +223,24 @@ def test_a_transaction_on_another_alias_is_not_the_producers(producer, alias, en
         producer.send("order.created", "not in a transaction of the producer's alias")
     assert producer.flush(10)
     assert states(engine) == {}
+
+
+def test_behind_pgbouncer_the_sender_leaves_nothing_on_the_shared_session(django_dbs, broker) -> None:
+    """A producer on an alias that goes through PgBouncer in transaction mode: its sender ships on an
+    engine of qmq's own (`engine_for_alias`), which prepares nothing; ordered messages run ordered
+    shipping's statements once per send, more often than psycopg's threshold for preparing one."""
+    producer = qmq.Producer(brokers=[broker.address], using="bounced")
+    engine = create_engine(django_dbs["orders"])  # the same database, directly
+    try:
+        sent = []
+        for n in range(ORDERED_SENDS):
+            with transaction.atomic(using="bounced"):
+                sent.append(producer.send("order.created", n, order_key="customer-7"))
+            assert producer.flush(10)
+        assert states(engine) == dict.fromkeys(sent, "sent")  # by the sender: no relay runs
+        assert shared_session(django_dbs["bounced"]) == ("on", "0", 0)  # while it holds its connection
+    finally:
+        producer.close()
+        with engine.begin() as conn:
+            conn.execute(outbox.delete())
+        engine.dispose()

@@ -21,7 +21,7 @@ import qmq
 from qmq.db.migrate import upgrade
 from tests.support.databases import fresh_database
 from tests.support.outbox import consume, states
-from tests.support.pgbouncer import start_pgbouncer
+from tests.support.pgbouncer import shared_session, start_pgbouncer
 from tests.support.waiting import wait_until
 
 MESSAGES = 30
@@ -42,17 +42,6 @@ def through_pgbouncer(processes, tmp_path, pg_url):
         server = psycopg.conninfo.conninfo_to_dict(url)
         port = start_pgbouncer(processes, tmp_path / "pgbouncer", server["host"], int(server.get("port", 5432)))
         yield url, f"postgresql+psycopg://postgres@127.0.0.1:{port}/{server['dbname']}"
-
-
-def session_state(url: str) -> tuple[str, str, int]:
-    """What a new client of PgBouncer finds on the (one) server connection: synchronous_commit,
-    idle_in_transaction_session_timeout, and how many named prepared statements it holds."""
-    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True, prepare_threshold=None) as conn:
-        return (
-            conn.execute("SHOW synchronous_commit").fetchone()[0],
-            conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0],
-            conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0],
-        )
 
 
 def test_the_after_commit_sender_behind_pgbouncer_ships_everything_and_leaves_nothing_on_the_session(
@@ -79,7 +68,7 @@ def test_the_after_commit_sender_behind_pgbouncer_ships_everything_and_leaves_no
         finally:
             direct_engine.dispose()
         # The sender still holds its connection; the server connection under it is everyone's.
-        assert session_state(bounced) == ("on", "0", 0)
+        assert shared_session(bounced) == ("on", "0", 0)
     finally:
         producer.close()
         engine.dispose()
@@ -111,7 +100,7 @@ def test_the_relay_behind_pgbouncer_polls_ships_everything_and_leaves_nothing_on
             )
             sent += wave_ids
         assert relay.poll() is None, "the relay exited"
-        assert session_state(bounced) == ("on", "0", 0)  # the relay still holds its connections
+        assert shared_session(bounced) == ("on", "0", 0)  # the relay still holds its connections
     finally:
         producer.close()
         direct_engine.dispose()

@@ -27,7 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from qmq.client.blocking import Client
-from qmq.db.engine import create_engine, safe_url
+from qmq.db.engine import create_engine, prepare_nothing, safe_url
 from qmq.outbox import metrics, ordered_shipping, rows, shipping
 from qmq.outbox.notify import Listener
 
@@ -95,8 +95,7 @@ class DatabaseRelay:
         self, url: str, new_client: Callable[[], Client], settings: RelaySettings, stop: threading.Event
     ) -> None:
         self.engine = create_engine(url)
-        if self.engine.dialect.name == "postgresql":
-            sa.event.listen(self.engine, "connect", _prepare_nothing)
+        prepare_nothing(self.engine)  # a transaction-mode PgBouncer keeps no named statement for us
         self.name = safe_url(self.engine)
         self.new_client = new_client
         self.settings = settings
@@ -364,14 +363,6 @@ class Relay:
         for database in self.databases:
             database.engine.dispose()
         return reports
-
-
-def _prepare_nothing(dbapi_connection: Any, connection_record: Any) -> None:
-    """A new PostgreSQL connection of the relay prepares no statement (psycopg prepares one run five
-    times): a named statement lives on one server connection, which PgBouncer's transaction mode does
-    not keep for a client. The relay's statements run once per batch: a parse each is nothing beside
-    the batch."""
-    dbapi_connection.prepare_threshold = None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+import psycopg
+
 from tests.support.processes import free_port, wait_for_port
 
 PGBOUNCER_USER_AS_ROOT = "nobody"
@@ -50,3 +52,14 @@ ignore_startup_parameters = extra_float_digits,options
     proc = processes.start([binary, *as_user, str(ini)], name="pgbouncer", python=False)
     wait_for_port(port, proc)
     return port
+
+
+def shared_session(url: str) -> tuple[str, str, int]:
+    """What a new client of PgBouncer finds on the (one) server connection: synchronous_commit,
+    idle_in_transaction_session_timeout, and how many named prepared statements it holds."""
+    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True, prepare_threshold=None) as conn:
+        return (
+            conn.execute("SHOW synchronous_commit").fetchone()[0],
+            conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()[0],
+            conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0],
+        )

@@ -7,7 +7,7 @@ import sqlalchemy as sa
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from qmq.db.engine import create_engine
+from qmq.db.engine import create_engine, prepare_nothing
 
 
 def url_for_alias(alias: str) -> sa.URL:
@@ -29,4 +29,8 @@ def url_for_alias(alias: str) -> sa.URL:
 
 
 def engine_for_alias(alias: str) -> sa.Engine:
-    return create_engine(url_for_alias(alias).render_as_string(hide_password=False))
+    """qmq's own engine on the alias's database; it prepares nothing, so that it works through
+    PgBouncer in transaction mode like Django's own connections (docs/outbox.md)."""
+    engine = create_engine(url_for_alias(alias).render_as_string(hide_password=False))
+    prepare_nothing(engine)
+    return engine
