@@ -28,6 +28,7 @@ from worker.schema import consumed
 
 ALIASES = ["default", "orders"]  # SQLite and PostgreSQL
 ORDERED_SENDS = 8  # more than psycopg's prepare_threshold (5)
+ORDERS_APP_NAME = "qmq-django-orders"  # the "orders" alias's OPTIONS name its connections so
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,7 @@ def django_dbs(pg_url, tmp_path_factory):
                     "USER": pg.username,
                     "HOST": pg.host,
                     "PORT": str(pg.port or 5432),
+                    "OPTIONS": {"application_name": ORDERS_APP_NAME},  # a connection parameter
                 },
                 "bounced": {
                     "ENGINE": "django.db.backends.postgresql",
@@ -62,7 +64,6 @@ def django_dbs(pg_url, tmp_path_factory):
                     "USER": pg.username,
                     "HOST": HOST,
                     "PORT": str(bouncer),
-                    "OPTIONS": {"prepare_threshold": None},  # docs/outbox.md, "Behind PgBouncer"
                     "DISABLE_SERVER_SIDE_CURSORS": True,  # Django's guide for transaction pooling
                 },
             },
@@ -239,6 +240,33 @@ def test_behind_pgbouncer_the_sender_leaves_nothing_on_the_shared_session(django
             assert producer.flush(10)
         assert states(engine) == dict.fromkeys(sent, "sent")  # by the sender: no relay runs
         assert shared_session(django_dbs["bounced"]) == ("on", "0", 0)  # while it holds its connection
+    finally:
+        producer.close()
+        with engine.begin() as conn:
+            conn.execute(outbox.delete())
+        engine.dispose()
+
+
+def test_the_senders_connection_takes_the_aliass_connection_options(django_dbs, broker) -> None:
+    """The sender connects with `DATABASES[alias]["OPTIONS"]` (TLS settings and the like; here
+    `application_name`): while it holds its connection, the alias's name is on Django's connection
+    and the sender's (and on the pooled connections of this module's earlier producers, if their
+    engines are not collected yet; without the options it is on Django's alone)."""
+    producer = qmq.Producer(brokers=[broker.address], using="orders")
+    engine = create_engine(django_dbs["orders"])
+    try:
+        with transaction.atomic(using="orders"):
+            message_id = producer.send("order.created", "named")
+        assert producer.flush(10)
+        assert states(engine) == {message_id: "sent"}
+        with engine.connect() as conn:
+            named = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = :n"
+                ),
+                {"n": ORDERS_APP_NAME},
+            ).scalar()
+        assert named >= 2
     finally:
         producer.close()
         with engine.begin() as conn:
