@@ -24,10 +24,12 @@ from tests.support.databases import fresh_database
 from tests.support.outbox import committed_ids, consume, states
 from tests.support.pgbouncer import shared_session, start_pgbouncer
 from tests.support.processes import ProcessManager
+from tests.support.waiting import wait_until
 from worker.schema import consumed
 
 ALIASES = ["default", "orders"]  # SQLite and PostgreSQL
 ORDERED_SENDS = 8  # more than psycopg's prepare_threshold (5)
+CLOSED_WITHIN_S = 10.0  # a backend leaves pg_stat_activity when its process has exited
 ORDERS_APP_NAME = "qmq-django-orders"  # the "orders" alias's OPTIONS name its connections so
 
 
@@ -250,23 +252,23 @@ def test_behind_pgbouncer_the_sender_leaves_nothing_on_the_shared_session(django
 def test_the_senders_connection_takes_the_aliass_connection_options(django_dbs, broker) -> None:
     """The sender connects with `DATABASES[alias]["OPTIONS"]` (TLS settings and the like; here
     `application_name`): while it holds its connection, the alias's name is on Django's connection
-    and the sender's (and on the pooled connections of this module's earlier producers, if their
-    engines are not collected yet; without the options it is on Django's alone)."""
+    and the sender's (on Django's alone without the options); `close()` closes the sender's."""
     producer = qmq.Producer(brokers=[broker.address], using="orders")
     engine = create_engine(django_dbs["orders"])
+
+    def named() -> int:
+        with engine.connect() as conn:
+            query = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = :n"
+            return conn.execute(sa.text(query), {"n": ORDERS_APP_NAME}).scalar()
+
     try:
         with transaction.atomic(using="orders"):
             message_id = producer.send("order.created", "named")
         assert producer.flush(10)
         assert states(engine) == {message_id: "sent"}
-        with engine.connect() as conn:
-            named = conn.execute(
-                sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = :n"
-                ),
-                {"n": ORDERS_APP_NAME},
-            ).scalar()
-        assert named >= 2
+        assert named() == 2
+        producer.close()
+        wait_until(lambda: named() == 1, "the sender's connection closed", CLOSED_WITHIN_S)
     finally:
         producer.close()
         with engine.begin() as conn:

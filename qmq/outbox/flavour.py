@@ -68,3 +68,6 @@ class Flavour(Protocol):
 
     def database_name(self) -> str:
         """The database's name, as the `qmq-producer` header gives it."""
+
+    def close(self) -> None:
+        """The producer closed: release what the flavour made for itself (never the application's)."""

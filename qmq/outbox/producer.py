@@ -203,9 +203,11 @@ class Producer:
         return self._sender is None or self._sender.wait_idle(timeout)
 
     def close(self) -> None:
-        """Ship what is queued (briefly), then stop the sender. Called at interpreter exit too."""
+        """Ship what is queued (briefly), stop the sender and close the connections qmq opened for it
+        (a Django alias's; never the application's engine). Called at interpreter exit too."""
         if self._sender is not None:
             self._sender.close()
+        self.flavour.close()
         _live_producers.discard(self)
 
     def _new_client(self) -> Client:

@@ -117,6 +117,9 @@ class SQLAlchemyFlavour:
             raise RuntimeError("this Producer has no engine yet: give engine= or send inside @qmq.transactional first")
         return self._engine
 
+    def close(self) -> None:
+        """Nothing: the engine is the application's."""
+
     def database_name(self) -> str:
         if self._database_name is None:
             self._database_name = str(self.engine().url.database or "")

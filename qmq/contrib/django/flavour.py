@@ -87,5 +87,10 @@ class DjangoFlavour:
             self._engine = engine_for_alias(self.alias)
         return self._engine
 
+    def close(self) -> None:
+        """Close the connections of the engine made for the sender (`engine_for_alias`)."""
+        if self._engine is not None:
+            self._engine.dispose()
+
     def database_name(self) -> str:
         return str(url_for_alias(self.alias).database or "")
