@@ -49,6 +49,10 @@ FLAG_LOG_MAX = 20  # flagged rows logged one by one per pass; the rest as a coun
 DB_RETRY_MIN_S = 0.5  # after a database error, wait this long, doubling...
 DB_RETRY_MAX_S = 30.0  # ...up to this
 SUMMARY_INTERVAL_S = 60.0  # a line about what was shipped, at most this often
+# The main thread looks at the stop flag this often. A signal the kernel hands to another thread
+# (SIGTERM goes to any thread of the process) runs its Python handler only once the main thread runs
+# Python again; an untimed wait would never wake for it.
+STOP_CHECK_S = 0.5
 
 
 @dataclass
@@ -354,7 +358,8 @@ class Relay:
         threads whose batch did not finish within the lease (their sends wait for a broker)."""
         for database in self.databases:
             database.start()
-        self.stop.wait()
+        while not self.stop.wait(STOP_CHECK_S):
+            pass
         log.info("relay stopping: finishing the batches in hand")
         return [name for database in self.databases for name in database.join(timeout=self.settings.lease_s)]
 
