@@ -412,9 +412,9 @@ def test_bodies_encode_dates_decimals_and_uuids_and_take_an_encoder(engine, brok
 
 
 def test_the_senders_session_settings_do_not_leak_into_the_applications_pool(pg_producer, pg_engine, broker) -> None:
-    """The sender ships on a connection of the application's engine with its own settings (the lease
-    as an idle-in-transaction timeout, commits that do not wait for the WAL flush); back in the pool
-    after `close()`, that connection has the server's defaults again."""
+    """The sender ships on a connection of the application's engine with settings of its own (the
+    lease as an idle-in-transaction timeout, commits that do not wait for the WAL flush), set for its
+    transactions only; back in the pool after `close()`, that connection has the server's defaults."""
     pg_producer.send_now("order.created", "one")
     assert pg_producer.flush(10)
     pg_producer.close()
