@@ -108,6 +108,8 @@ class Scheduler:
         self.cancels = cancels
         self.clock = clock
         self.client = client
+        if client is not None:  # a subject whose brokers fail is parked and probed (parking.py), not
+            client.delivery_timeout_s = 0.0  # waited for in a send: the other subjects go on meanwhile
         self.load_ahead_ms = int(load_ahead_s * 1000)
         self.retention_ms = int(retention_s * 1000)
         self.max_held = max_held

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -173,10 +174,13 @@ def test_send_moves_to_the_other_group_when_a_broker_is_killed(processes, client
 def test_send_fails_clearly_when_no_broker_takes_it(processes, brokers) -> None:
     for broker in brokers:
         processes.kill(broker.proc)
-    with Client(brokers=[b.address for b in brokers]) as client:
+    with Client(brokers=[b.address for b in brokers], delivery_timeout_s=1.0) as client:
         [result] = client.send([OutgoingMessage("dead", "x")])
     assert not result.ok and result.error_code == ErrorCode.UNAVAILABLE
-    assert "3 attempts" in result.error and "cannot connect" in result.error
+    assert "not stored within 1 s (" in result.error and "cannot connect" in result.error
+    with Client(brokers=[b.address for b in brokers], delivery_timeout_s=0) as client:
+        [result] = client.send([OutgoingMessage("dead", "x")])
+    assert not result.ok and "not stored after 3 attempts" in result.error and "cannot connect" in result.error
 
 
 def test_nack_redelivers_with_the_next_attempt_then_dead_letters(client) -> None:
@@ -382,17 +386,34 @@ def test_a_hung_meta_server_holds_a_send_only_until_the_next_one_is_asked(proces
 
 def test_meta_server_unreachable_or_without_brokers(processes, tmp_path) -> None:
     dead = f"{HOST}:{free_port()}"
-    with Client(meta=dead) as client:
+    with Client(meta=dead, delivery_timeout_s=0.5) as client:
+        started = time.monotonic()
         [result] = client.send([OutgoingMessage("s", "x")])
-        assert not result.ok and f"cannot reach the meta server at {dead}" in result.error
+        assert time.monotonic() - started >= 0.5  # it asked again until its delivery timeout
+        assert not result.ok and f"not stored within 0.5 s; cannot reach the meta server at {dead}" in result.error
         with pytest.raises(MetaUnreachable, match="cannot reach the meta server"):
             client.subscribe("s", "g")
     meta = start_meta(processes, tmp_path)
-    with Client(meta=meta) as client:
+    with Client(meta=meta, delivery_timeout_s=0) as client:
         [result] = client.send([OutgoingMessage("s", "x")])
-        assert not result.ok and "no writable broker group carries subject 's'" in result.error
+        assert not result.ok and result.error == "no writable broker group carries subject 's'"
         with pytest.raises(NoRoute, match="no broker group carries subject 's'"):
             client.subscribe("s", "g")
+
+
+def test_a_send_waits_for_a_broker_that_joins_within_its_delivery_timeout(processes, tmp_path, caplog) -> None:
+    """Kafka's delivery.timeout.ms: a send finding no broker for its subject (none yet, or a
+    failover) asks the meta server again until its delivery timeout, instead of failing at once."""
+    meta = start_meta(processes, tmp_path)
+    with Client(meta=meta, delivery_timeout_s=60) as client, ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(client.send, [OutgoingMessage("late.joiner", "x")])
+        wait_until(lambda: "no writable broker group known for late.joiner now" in caplog.text, "the send waiting")
+        assert not sending.done()
+        start_broker(processes, tmp_path / "late", "--meta", meta, "--group", "late", name="late")
+        [result] = sending.result(timeout=60)
+        assert result.ok and result.group == "late", result.error
+        with client.subscribe("late.joiner", "g", start="earliest") as subscription:
+            assert [d.id for d in drain(subscription, 1)] == [result.message_id]
 
 
 # ---- the command line --------------------------------------------------------------------------------
@@ -465,6 +486,28 @@ def test_cli_send_then_tail(brokers) -> None:
     empty = qmq("tail", "cli.subject", "--group", "cli", *broker_args(brokers), "--timeout", "1")
     assert empty.returncode == 0 and empty.stdout == b"", empty.stderr.decode()
     assert time.monotonic() - started < 60  # ended by --timeout 1 (not a speed check: CI machines are loaded)
+
+
+def test_cli_send_rides_through_a_broker_restart_within_its_delivery_timeout(processes, tmp_path) -> None:
+    address = f"{HOST}:{free_port()}"  # nothing listens there yet
+    quick = qmq("send", "cli.late", "x", "--broker", address, "--delivery-timeout", "0.5")
+    assert quick.returncode == 1 and b"not stored within 0.5 s (" in quick.stderr, quick.stderr.decode()
+    sender = subprocess.Popen(
+        [sys.executable, "-m", "qmq", "send", "cli.late", "hello", "--broker", address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **ENV},
+    )
+    try:
+        assert b"offering its messages again" in sender.stderr.readline()  # it met the closed port
+        start_broker(processes, tmp_path / "late", port=int(address.rsplit(":", 1)[1]), name="late")
+        out, err = sender.communicate(timeout=CLI_TIMEOUT_S)
+    finally:
+        sender.kill()
+    assert sender.returncode == 0, err.decode()
+    [sent_id] = out.decode().split()
+    with Client(brokers=[address]) as client, client.subscribe("cli.late", "g", start="earliest") as subscription:
+        assert [d.id for d in drain(subscription, 1)] == [sent_id]
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

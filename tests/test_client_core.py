@@ -24,7 +24,7 @@ from qmq.client.deliveries import PULL_REPLY_GRACE_S, AckTracker, Delivery, Subs
 from qmq.client.errors import ClientError, ConnectFailed, InvalidMessage, MetaUnreachable
 from qmq.client.messages import OutgoingMessage, SendError, check_message
 from qmq.client.routes import META_TIMEOUT_S, RouteBook, RouteCache, parse_address, parse_route, static_route
-from qmq.client.sending import RETRY_DELAY_S, GroupHealth, SendJob, choose_group
+from qmq.client.sending import RETRY_DELAY_S, RETRY_MAX_DELAY_S, GroupHealth, SendJob, choose_group
 from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, WaitAll, WaitAny
 from qmq.protocol import envelope
 from qmq.protocol.codes import RequestCode
@@ -531,6 +531,57 @@ def test_send_job_gives_up_after_its_attempts_naming_the_last_error() -> None:
     assert "3 attempts" in result.error and f"lost {groups[-1]}" in result.error
 
 
+def test_send_job_offers_a_message_again_until_its_delivery_timeout_then_names_it() -> None:
+    job = SendJob(messages(1), max_attempts=3, delivery_timeout_s=10.0, started=100.0)
+    routes = {"s": route(G1)}
+    delays = []
+    now = 100.0
+    while now < 110.0:
+        [b] = job.plan(routes, now=now)
+        delays.append(job.retry_delay_s)
+        job.on_error(b, ConnectionError("refused"))
+        now += 1.5
+    assert len(delays) == 7  # past its three attempts: the group may come back (a restart, a failover)
+    assert delays[:4] == [0.0, RETRY_DELAY_S, 2 * RETRY_DELAY_S, 4 * RETRY_DELAY_S]
+    assert max(delays) == RETRY_MAX_DELAY_S
+    [b] = job.plan(routes, now=109.9)  # never sleeps past the timeout
+    assert job.retry_delay_s == pytest.approx(0.1)
+    job.on_error(b, ConnectionError("refused"))
+    assert job.plan(routes, now=110.0) == [] and job.done
+    [result] = job.results()
+    assert not result.ok and result.error_code == ErrorCode.UNAVAILABLE
+    assert result.error.startswith("not stored within 10 s (8 attempts, on g1); last: group g1: refused")
+
+
+def test_send_job_without_a_delivery_timeout_stops_at_its_attempts() -> None:
+    job = SendJob(messages(1), max_attempts=2, delivery_timeout_s=0.0)
+    for _ in range(2):
+        [b] = job.plan({"s": route(G1)}, now=5.0)
+        job.on_error(b, ConnectionError("refused"))
+    assert job.plan({"s": route(G1)}, now=5.0) == [] and not job.results()[0].ok
+
+
+def test_send_job_waits_for_a_writable_group_until_its_delivery_timeout() -> None:
+    down = {**G1, "available": False}
+    job = SendJob(messages(2), delivery_timeout_s=5.0, started=0.0)
+    assert job.plan({"s": route(down)}, now=0.0) == []
+    assert not job.done and job.waiting == {"s"} and job.retry_delay_s == RETRY_DELAY_S
+    job.waiting = set()
+    assert job.plan({"s": route(down)}, now=0.3) == [] and job.retry_delay_s == 2 * RETRY_DELAY_S
+    job.waiting = set()
+    [b] = job.plan({"s": route(G1)}, now=0.9)  # a broker joined, a replica took office
+    assert len(b.indices) == 2 and not job.waiting
+    job.on_reply(b, {"stored": 2, "rejected": []})
+    assert all(r.ok for r in job.results())
+    late = SendJob(messages(1), delivery_timeout_s=5.0, started=0.0)
+    late.fail_subject("s", ErrorCode.UNAVAILABLE, "cannot reach the meta server at m:1", now=1.0)
+    assert late.waiting == {"s"} and not late.done
+    late.waiting = set()
+    late.fail_subject("s", ErrorCode.UNAVAILABLE, "cannot reach the meta server at m:1", now=5.0)
+    [result] = late.results()
+    assert result.error == "not stored within 5 s; cannot reach the meta server at m:1"
+
+
 def test_send_job_skips_read_only_and_unavailable_groups() -> None:
     read_only = {**G1, "read_only": True}
     down = {**G2, "available": False}
@@ -697,6 +748,31 @@ def test_send_loop_waits_before_offering_a_message_to_a_group_that_failed_it() -
     assert isinstance(loop.send(None), Calls)
     [result] = finish(loop, [{"stored": 1, "rejected": []}])
     assert result.ok
+
+
+def test_send_loop_asks_the_meta_server_again_while_no_group_takes_the_subject() -> None:
+    client = HandClient(meta=META, delivery_timeout_s=60.0)
+    loop = client.send(messages(3))
+    assert next(loop).code == RequestCode.META_ROUTE
+    assert loop.send({"subject": "s", "groups": []}) == Sleep(RETRY_DELAY_S)  # no broker yet
+    again = loop.send(None)
+    assert isinstance(again, Call) and again.code == RequestCode.META_ROUTE  # not the cached empty route
+    assert loop.send(ConnectFailed(META, "refused")) == Sleep(2 * RETRY_DELAY_S)  # the meta server restarts
+    assert loop.send(None).code == RequestCode.META_ROUTE
+    sends = loop.send(ROUTE_REPLY)
+    assert isinstance(sends, Calls)
+    results = finish(loop, [{"stored": 1, "rejected": []}] * len(sends.calls))
+    assert all(r.ok for r in results)
+    quick = HandClient(meta=META, delivery_timeout_s=0.0)
+    loop = quick.send(messages(1))
+    next(loop)
+    [result] = finish(loop, {"subject": "s", "groups": []})
+    assert result.error == "no writable broker group carries subject 's'"
+
+
+def test_client_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="delivery_timeout_s must be at least 0"):
+        HandClient(meta=META, delivery_timeout_s=-1)
 
 
 def test_send_loop_asks_for_the_route_again_after_a_failure() -> None:

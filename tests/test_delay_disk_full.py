@@ -18,7 +18,8 @@ def test_a_full_disk_refuses_delayed_sends_and_freed_space_brings_the_delay_serv
     broker = start_broker(processes, tmp_path / "broker")
     with small_file_system(tmp_path / "fs") as fs:
         delay = start_delay_server(processes, fs / "delay", "--broker", broker.address)
-        with Client(brokers=[broker.address], delay_servers=[delay.address]) as client:
+        # delivery_timeout_s=0: a refused send is reported at once, not offered again until space is freed
+        with Client(brokers=[broker.address], delay_servers=[delay.address], delivery_timeout_s=0) as client:
             arrivals = Arrivals(client, "later")
             try:
                 due = int(time.time() * 1000) + DUE_IN_MS

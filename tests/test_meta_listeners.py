@@ -139,8 +139,8 @@ def test_the_external_listener_hands_out_external_addresses_and_the_cli_works_th
     assert json.loads(tail.stdout.splitlines()[0])["id"] == sent.stdout.strip()
 
     # Through the internal listener the host is handed broker-x.invalid, which it cannot reach.
-    failed = qmq("send", "order.created", "x", meta=f"{HOST}:{port}")
-    assert failed.returncode != 0
+    failed = qmq("send", "order.created", "x", "--delivery-timeout", "0", meta=f"{HOST}:{port}")
+    assert failed.returncode != 0 and "broker-x.invalid" in failed.stderr, failed.stderr
 
 
 def test_a_bad_external_address_is_refused_and_the_connection_stays_usable(cluster) -> None:

@@ -10,6 +10,7 @@ import shutil
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import sqlalchemy as sa
@@ -130,6 +131,30 @@ def test_master_lost_with_its_disk_replica_takes_over_nothing_acknowledged_is_lo
     assert stats["role"] == "master" and stats["replicas"][0]["address"] == a.address
 
 
+def test_a_send_during_a_failover_is_stored_once_the_group_takes_sends_again(processes, tmp_path, meta) -> None:
+    """A client keeps offering a message while its group cannot store it (Kafka's
+    delivery.timeout.ms): the send that meets the killed master returns once the promoted replica
+    takes sends again (here, with `--ack-replicas 1`, once the old master is back as its replica), in
+    one call. With `delivery_timeout_s=0` the same send fails after its three attempts."""
+    a, b = start_group(processes, tmp_path, meta)
+    with Client(meta=meta) as patient, Client(meta=meta, delivery_timeout_s=0) as impatient:
+        for client in (patient, impatient):
+            assert client.send([OutgoingMessage(SUBJECT, "before")])[0].ok  # both have a's route now
+        processes.kill(a.proc, signal.SIGKILL)
+        [failed] = impatient.send([OutgoingMessage(SUBJECT, "impatient")])
+        assert not failed.ok and failed.error_code == ErrorCode.UNAVAILABLE, failed
+        assert "not stored after 3 attempts" in failed.error
+        with ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(patient.send, [OutgoingMessage(SUBJECT, "during")])
+            wait_role(b, "master", epoch=2)
+            assert not sending.done()  # b takes no send without a replica in sync
+            a = restart_broker(processes, a)
+            wait_role(a, "replica", epoch=2)
+            [result] = sending.result(timeout=60)
+    assert result.ok and result.group == "g1", result.error
+    assert result.message_id in consume(meta, {result.message_id})
+
+
 def test_replica_lost_group_turns_read_only_consumers_go_on_and_it_catches_up(processes, tmp_path, meta) -> None:
     a, b = start_group(processes, tmp_path, meta)
     with Client(meta=meta) as client:
@@ -145,6 +170,7 @@ def test_replica_lost_group_turns_read_only_consumers_go_on_and_it_catches_up(pr
 
         wait_for(read_only, "the group to turn read-only", timeout=10)
         assert time.monotonic() - lost_at < MAX_LAG_S + 2.0  # --max-lag, plus the master's check interval
+        client.delivery_timeout_s = 0  # refused now, not offered again until the replica is back
         refused = client.send([OutgoingMessage(SUBJECT, "while-alone")])
         assert not refused[0].ok and refused[0].error_code in (ErrorCode.READ_ONLY, ErrorCode.UNAVAILABLE)
         assert set(consume(meta, before, timeout=30)) >= before  # consumers keep reading

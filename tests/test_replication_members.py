@@ -77,7 +77,7 @@ def test_a_lost_replica_is_forgotten_and_the_group_takes_sends_again(processes, 
     processes.kill(b.proc, signal.SIGKILL)  # the machine is lost
     wait_for(lambda: (replication(a) or {}).get("writable") is False, "the group to turn read-only", timeout=10)
     wait_for(lambda: silent_for(meta, b.address, FAILOVER_AFTER_S), "the replica to fall silent", timeout=10)
-    with Client(meta=meta) as client:
+    with Client(meta=meta, delivery_timeout_s=0) as client:  # refused now, not offered again
         assert not client.send([OutgoingMessage(SUBJECT, "while-lost")])[0].ok
 
         done = admin(meta, "forget", "--broker", b.address)

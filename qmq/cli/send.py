@@ -17,7 +17,7 @@ from qmq.cli.client_options import client_options, make_client
 from qmq.cli.options import delay_servers_option, tuning
 from qmq.client import ClientError, OutgoingMessage, SendResult
 from qmq.client.routes import no_route_error
-from qmq.client.sending import DEFAULT_BATCH_SIZE
+from qmq.client.sending import DEFAULT_BATCH_SIZE, DELIVERY_TIMEOUT_S
 from qmq.protocol.envelope import JSON
 from qmq.protocol.errors import ProtocolError
 from qmq.protocol.limits import validate_subject
@@ -54,6 +54,13 @@ DELAY_HELP = "deliver after this many seconds (through a delay server)"
     "--size", type=click.IntRange(min=0), metavar="BYTES", help="send BYTES random bytes as each body, not BODY"
 )
 @tuning("--batch", click.IntRange(1, MAX_BATCH), DEFAULT_BATCH_SIZE, "messages per broker request")
+@tuning(
+    "--delivery-timeout",
+    click.FloatRange(min=0),
+    DELIVERY_TIMEOUT_S,
+    "seconds a message that could not be stored (a broker down, a failover) is offered again before it fails",
+    dest="delivery_timeout",
+)
 def send(
     subject: str,
     body: str | None,
@@ -72,6 +79,7 @@ def send(
     count: int,
     size: int | None,
     batch: int,
+    delivery_timeout: float,
 ) -> None:
     """Send COUNT messages to SUBJECT and print each message id, one per line, once a broker has
     stored it (with --delay or --at: once a delay server has). The body is BODY (text), --size
@@ -83,7 +91,15 @@ def send(
         )
     make_body = _body_maker(body, size, as_json)
     header_map = _parse_headers(headers)
-    client = make_client(meta, brokers, token, log_level, batch_size=batch, delay_servers=list(delay_servers))
+    client = make_client(
+        meta,
+        brokers,
+        token,
+        log_level,
+        batch_size=batch,
+        delivery_timeout_s=delivery_timeout,
+        delay_servers=list(delay_servers),
+    )
     try:
         _check_route(client, subject, delayed=deliver_at is not None)
         sent = 0

@@ -24,6 +24,7 @@ from qmq.client.messages import OutgoingMessage, SendError, SendResult
 from qmq.client.routes import Route, RouteBook, resolve_delay_servers, resolve_servers
 from qmq.client.sending import (
     DEFAULT_BATCH_SIZE,
+    DELIVERY_TIMEOUT_S,
     SEND_TIMEOUT_S,
     GroupHealth,
 )
@@ -49,16 +50,23 @@ class ClientCore:
         *,
         batch_size: int = DEFAULT_BATCH_SIZE,
         send_timeout_s: float = SEND_TIMEOUT_S,
+        delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
         delay_servers: Sequence[str] | None = None,
     ) -> None:
         """`meta` (default `$QMQ_META`, else 127.0.0.1:20880) or `brokers` (addresses, each a group of
-        its own); `token` defaults to `$QMQ_TOKEN`; `delay_servers` instead of the meta server's."""
+        its own); `token` defaults to `$QMQ_TOKEN`; `delay_servers` instead of the meta server's.
+        `send_timeout_s` bounds one request to a broker; `delivery_timeout_s` how long a send keeps
+        offering a message that failed in a way worth trying again (a broker down, a failover, no
+        writable group yet) before its result says it failed; 0: three attempts, within about 0.6 s."""
+        if delivery_timeout_s < 0 or send_timeout_s <= 0:
+            raise ValueError("delivery_timeout_s must be at least 0 and send_timeout_s above 0")
         self.meta, self.brokers = resolve_servers(meta, brokers)
         self.delay_servers = resolve_delay_servers(delay_servers)
         self.token = token
         self.client_id = client_id
         self.batch_size = batch_size
         self.send_timeout_s = send_timeout_s
+        self.delivery_timeout_s = delivery_timeout_s
         self._routes = RouteBook(self.meta, self.brokers, self.delay_servers)
         self._health = GroupHealth()
         self._subscriptions: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -76,9 +84,15 @@ class ClientCore:
     def send(self, messages: Iterable[OutgoingMessage]) -> Steps[list[SendResult]]:
         """Send messages; one result per message, in order. Batches go out in parallel, one
         BROKER_SEND per group per `batch_size` messages; a message a broker would refuse is answered
-        at once, without sending it (`check_message`)."""
+        at once, without sending it (`check_message`); one that could not be stored is offered again
+        for `delivery_timeout_s` before its result says so."""
         return sending.send(
-            self._routes, self._health, messages, batch_size=self.batch_size, timeout_s=self.send_timeout_s
+            self._routes,
+            self._health,
+            messages,
+            batch_size=self.batch_size,
+            timeout_s=self.send_timeout_s,
+            delivery_timeout_s=self.delivery_timeout_s,
         )
 
     def send_one(

@@ -29,8 +29,13 @@ log = logging.getLogger("qmq.client")
 
 DEFAULT_BATCH_SIZE = 64  # messages in one BROKER_SEND
 MAX_BATCH_BYTES = MAX_FRAME_BYTES // 2  # payload bytes in one BROKER_SEND, well under a frame
-SEND_ATTEMPTS = 3  # groups a message is offered to before its send is reported as failed
-RETRY_DELAY_S = 0.2  # before offering a message again to a group that already failed it
+SEND_ATTEMPTS = 3  # groups a message is offered to at least, before its send is reported as failed...
+# ...and, while a message is younger than this, it is offered again and again (a failover takes 7-8 s
+# with the defaults, docs/replication.md); its send is reported as failed once both ran out. Kafka's
+# delivery.timeout.ms.
+DELIVERY_TIMEOUT_S = 30.0
+RETRY_DELAY_S = 0.2  # before offering a message again to a group that already failed it, doubling...
+RETRY_MAX_DELAY_S = 1.0  # ...up to this
 SUSPECT_FOR_S = 5.0  # a group that just failed a send is chosen last for this long
 SEND_TIMEOUT_S = 10.0  # wait for one BROKER_SEND reply
 # A send that failed with one of these may work on another group (or later); any other is final.
@@ -136,12 +141,21 @@ class SendJob:
         batch_size: int = DEFAULT_BATCH_SIZE,
         max_attempts: int = SEND_ATTEMPTS,
         max_batch_bytes: int = MAX_BATCH_BYTES,
+        delivery_timeout_s: float = 0.0,
+        started: float = 0.0,
     ) -> None:
+        """For `delivery_timeout_s` from `started` (the clock `plan` is given) a message that failed
+        in a way worth trying again, or that has no writable group, is offered again after its
+        attempts ran out, and waits for a group to appear (`waiting`); 0: `max_attempts` decides."""
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.batch_size = batch_size
         self.max_attempts = max_attempts
         self.max_batch_bytes = max_batch_bytes
+        self.delivery_timeout_s = delivery_timeout_s
+        self.deadline = started + delivery_timeout_s if delivery_timeout_s > 0 else None
+        self.waiting: set[str] = set()  # set by plan(): route subjects whose messages wait for a group
+        self.rounds_waited = 0  # rounds in a row that ended with messages waiting for a group
         self.messages = list(messages)
         self.wires: list[dict[str, Any] | None] = []
         self._results: list[SendResult | None] = []
@@ -187,17 +201,23 @@ class SendJob:
         wire = self.wires[i]
         return wire["subject"] if wire is not None else self.messages[i].subject
 
-    def fail_subject(self, subject: str, code: int, text: str) -> None:
-        """Give up on every pending message of `subject` (its route cannot be had)."""
+    def fail_subject(self, subject: str, code: int, text: str, now: float = 0.0) -> None:
+        """The route of `subject` cannot be had: its pending messages wait for it until the deadline
+        (`waiting`), or fail with this error."""
         for i in self._pending():
             if self.route_subject(i) == subject:
-                self._finish(i, self._failure(self.messages[i], code, text))
+                if self._may_wait(now):
+                    self._last_error[i] = (code, text)
+                    self.waiting.add(subject)
+                else:
+                    self._finish(i, self._failure(self.messages[i], code, self._gave_up(i, text)))
 
     def plan(self, routes: Mapping[str, Route], health: GroupHealth | None = None, now: float = 0.0) -> list[SendBatch]:
         """The batches for the next round: each pending message offered to one group. Messages with
         no writable group left, or out of attempts, fail here with the last error they met."""
         by_group: dict[tuple[bool, str, str | None], tuple[RouteGroup, list[int]]] = {}
         self.retry_delay_s = 0.0
+        may_wait = self._may_wait(now)
         queue_room: dict[str, tuple[int, int]] = {}  # an ordered queue's messages in this round, bytes
         # (route subject, delayed) -> its route, and the group every untried message goes to when
         # there is no choice to make (`sole_group`): decided once per route, not once per message.
@@ -217,13 +237,9 @@ class SendJob:
                 queue_room[queue] = (count + 1, size + len(wire["payload"]))
             delayed = self.delayed[i]
             tried = self._tried[i]
-            if len(tried) >= self.max_attempts:
+            if len(tried) >= self.max_attempts and not may_wait:
                 code, text = self._last_error[i] or (ErrorCode.UNAVAILABLE, "no attempt left")
-                names = ", ".join(dict.fromkeys(tried))
-                self._finish(
-                    i,
-                    self._failure(message, code, f"not stored after {len(tried)} attempts (on {names}); last: {text}"),
-                )
+                self._finish(i, self._failure(message, code, self._gave_up(i, f"last: {text}")))
                 continue
             found = chosen.get((subject, delayed))
             if found is None:
@@ -244,12 +260,17 @@ class SendJob:
                     if delayed
                     else f"no writable broker group carries subject {message.subject!r}"
                 )
+                if may_wait:  # a broker may join, a replica take office: the route is asked again
+                    self.waiting.add(subject)
+                    continue
                 if self._last_error[i] is not None:
                     text += f" (last error: {self._last_error[i][1]})"
-                self._finish(i, self._failure(message, ErrorCode.UNAVAILABLE, text))
+                self._finish(i, self._failure(message, ErrorCode.UNAVAILABLE, self._gave_up(i, text)))
                 continue
             if again:
-                self.retry_delay_s = RETRY_DELAY_S
+                assert route is not None
+                retries = len(tried) - len(route.writable_groups) + 1
+                self.retry_delay_s = max(self.retry_delay_s, self._backoff_s(retries))
             tried.append(group.name)
             by_group.setdefault((delayed, group.name, queue), (group, []))[1].append(i)
         batches = []
@@ -266,6 +287,11 @@ class SendJob:
                 size += len(wire["payload"])
             if batch:
                 batches.append(self._batch(group, batch, delayed))
+        self.rounds_waited = self.rounds_waited + 1 if self.waiting else 0
+        if self.waiting and not batches:
+            self.retry_delay_s = self._backoff_s(self.rounds_waited)
+        if self.deadline is not None and self.retry_delay_s:  # no sleep past the deadline
+            self.retry_delay_s = max(min(self.retry_delay_s, self.deadline - now), 0.0)
         return batches
 
     def on_reply(self, batch: SendBatch, reply: dict[str, Any]) -> None:
@@ -297,6 +323,24 @@ class SendJob:
             else:
                 self._finish(i, self._failure(self.messages[i], code, text))
         return retriable
+
+    def _may_wait(self, now: float) -> bool:
+        return self.deadline is not None and now < self.deadline
+
+    @staticmethod
+    def _backoff_s(retries: int) -> float:
+        """The pause before the `retries`-th offer again to a group that failed, or the `retries`-th
+        look for a group (1 for the first)."""
+        return min(RETRY_DELAY_S * 2 ** min(max(retries - 1, 0), 10), RETRY_MAX_DELAY_S)
+
+    def _gave_up(self, i: int, text: str) -> str:
+        """The error of a message given up on: its attempts (when it had any), then `text`."""
+        tried = self._tried[i]
+        names = ", ".join(dict.fromkeys(tried))
+        if self.deadline is not None:
+            attempts = f" ({len(tried)} attempts, on {names})" if tried else ""
+            return f"not stored within {self.delivery_timeout_s:g} s{attempts}; {text}"
+        return f"not stored after {len(tried)} attempts (on {names}); {text}" if tried else text
 
     def _finish(self, i: int, result: SendResult) -> None:
         if self._results[i] is None:
@@ -330,13 +374,19 @@ def send(
     *,
     batch_size: int = DEFAULT_BATCH_SIZE,
     timeout_s: float = SEND_TIMEOUT_S,
+    delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
 ) -> Steps[list[SendResult]]:
     """Send messages; one result per message, in order, never an exception for a message that could
     not be sent. The batches of a round go out together; a message whose group failed is offered to
-    another group of its route (the same id), its route asked for again."""
-    job = SendJob(list(messages), batch_size=batch_size)
+    another group of its route (the same id), its route asked for again; for `delivery_timeout_s`
+    (plus the request in flight then) it is offered again, and waits for a writable group."""
+    job = SendJob(
+        list(messages), batch_size=batch_size, delivery_timeout_s=delivery_timeout_s, started=time.monotonic()
+    )
     refresh: set[str] = set()
     while not job.done:
+        refresh |= job.waiting  # no writable group last round: ask the meta server again
+        job.waiting = set()
         routes_now: dict[str, Route] = {}
         for subject, delayed_only in job.pending_routes().items():
             try:
@@ -344,14 +394,22 @@ def send(
                     subject, refresh=subject in refresh, delayed_only=delayed_only
                 )
             except MetaUnreachable as exc:
-                job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc))
+                job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc), time.monotonic())
         with health.lock:
             batches = job.plan(routes_now, health, time.monotonic())
+        refresh = set()
+        if job.rounds_waited == 1:
+            log.warning(
+                "no writable broker group known for %s now; asking again until the send's delivery timeout (%g s)",
+                ", ".join(sorted(job.waiting)),
+                delivery_timeout_s,
+            )
         if not batches:
+            if job.waiting:
+                yield Sleep(job.retry_delay_s)
             continue
         if job.retry_delay_s:
             yield Sleep(job.retry_delay_s)  # every group left already failed these messages once
-        refresh = set()
         outcomes = yield Calls([Call(b.addresses[0], b.code, b.body, timeout_s) for b in batches])
         for batch, outcome in zip(batches, outcomes, strict=True):
             if isinstance(outcome, BaseException):

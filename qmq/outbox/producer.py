@@ -218,6 +218,9 @@ class Producer:
             delay_servers=self.delay_servers,
             token=self.token,
             client_id=client_id,
+            # The relay ships what the sender could not: the sender waits for no failover while it
+            # holds its rows (and the rows committed behind them).
+            delivery_timeout_s=0.0,
         )
 
     def _after_fork(self) -> None:

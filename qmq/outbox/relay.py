@@ -143,10 +143,9 @@ class DatabaseRelay:
         self._threads.append(thread)
 
     def _ship_loop(self) -> None:
-        client = self.new_client()
+        client = self._client()
         token = str(uuid.uuid4())
         failures = 0
-        client.batch_size = max(client.batch_size, SEND_BATCH_MESSAGES)
         conn: sa.Connection | None = None  # held across batches: no checkout and no ping per batch
         ordered_at = 0.0
         try:
@@ -178,6 +177,14 @@ class DatabaseRelay:
                 with contextlib.suppress(sa.exc.SQLAlchemyError):
                     conn.close()
             client.close()
+
+    def _client(self) -> Client:
+        """A shipping client: big batches, and no waiting for a broker to come back while holding
+        rows (a failed row is given back with a backoff and shipped again later)."""
+        client = self.new_client()
+        client.batch_size = max(client.batch_size, SEND_BATCH_MESSAGES)
+        client.delivery_timeout_s = 0.0
+        return client
 
     def _sleep_until_due(self, conn: sa.Connection) -> None:
         timeout = self.settings.poll_interval_s
@@ -302,7 +309,7 @@ class DatabaseRelay:
     def sweep(self) -> SweepReport:
         """Ship everything due now, flag, purge: one pass, for `--once` and the Celery task."""
         report = SweepReport(self.name)
-        client = self.new_client()
+        client = self._client()
         token = str(uuid.uuid4())
         try:
             with self.engine.connect() as conn:
