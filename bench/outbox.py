@@ -156,10 +156,21 @@ def commit_to_stored(rate: float, seconds: float) -> tuple[float, float, int]:
     return latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)], total - len(latencies)
 
 
-def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float, dict[str, float]]:
+# Message ids as a producer makes them (qmq/ids.py): UUIDv7, rising with time (here 50 rows a
+# millisecond), so a table's ids rise with its rows; or random (v4), as the drain was loaded before.
+UUID7_SQL = (
+    "SELECT substr(t, 1, 8) || '-' || substr(t, 9, 4) || '-7' || substr(r, 1, 3) || '-8' || substr(r, 4, 3)"
+    " || '-' || substr(r, 7, 12) FROM (SELECT lpad(to_hex(%(ms)s::bigint + g / 50), 12, '0') AS t,"
+    " md5(random()::text) AS r FROM generate_series(1, %(rows)s) AS g) AS ids"
+)
+UUID4_SQL = "SELECT gen_random_uuid()::text FROM generate_series(1, %(rows)s)"
+
+
+def drain(rows: int, batch: int, concurrency: int, ids: str = "v7") -> tuple[float, float, dict[str, float]]:
     """Rows/s of one `qmq relay` draining `rows` pending rows; the seconds it took to load them; and
     the CPU each party spent per row (µs: PostgreSQL's backends serving the relay, the relay, the
-    broker), which a shared machine's load moves less than the rate."""
+    broker), which a shared machine's load moves less than the rate. `ids`: the rows' message ids,
+    "v7" as qmq's producer makes them or "v4" (random)."""
     db = Database()
     broker = BrokerProcess("sync")
     body = "{" + '"order":"' + "x" * 1000 + '"}'
@@ -167,9 +178,9 @@ def drain(rows: int, batch: int, concurrency: int) -> tuple[float, float, dict[s
     with psycopg.connect(db.url, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO qmq_outbox (message_id, subject, body, content_type) "
-            "SELECT gen_random_uuid()::text, 'order.created', convert_to(%s, 'UTF8'), 'application/json' "
-            "FROM generate_series(1, %s)",
-            (body, rows),
+            f"SELECT id, 'order.created', convert_to(%(body)s, 'UTF8'), 'application/json' "
+            f"FROM ({UUID7_SQL if ids == 'v7' else UUID4_SQL}) AS made(id)",
+            {"body": body, "rows": rows, "ms": time.time_ns() // 1_000_000},
         )
         conn.execute("VACUUM ANALYZE qmq_outbox")
     loaded = time.monotonic() - loading
@@ -247,6 +258,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--ids", choices=["v7", "v4"], default="v7", help="drain case: the rows' message ids")
     args = parser.parse_args()
     print(
         f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, body 1 KiB, "
@@ -275,9 +287,10 @@ def main() -> None:
             f"(target p99 < 5 ms){f', {missing} not stored' if missing else ''}"
         )
     if args.case in (None, "drain"):
-        rate, loaded, cpu_us = drain(args.rows, args.batch, args.concurrency)
+        rate, loaded, cpu_us = drain(args.rows, args.batch, args.concurrency, args.ids)
         print(
-            f"drain: {args.rows:,} rows, batch {args.batch}, {args.concurrency} threads: {rate:,.0f} msg/s "
+            f"drain: {args.rows:,} rows ({args.ids} ids), batch {args.batch}, {args.concurrency} threads: "
+            f"{rate:,.0f} msg/s "
             f"(target >= 40,000; rows loaded in {loaded:.0f} s); CPU per row: "
             + ", ".join(f"{party} {us:.1f} µs" for party, us in cpu_us.items())
             + f" ({sum(cpu_us.values()):.1f} in all); load {os.getloadavg()[0]:.1f}"

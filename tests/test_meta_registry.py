@@ -6,10 +6,11 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import sqlalchemy as sa
 
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
-from qmq.meta.registry import DEFAULT_ROUTE_GROUPS, UNAVAILABLE_AFTER_S, Registry, UnknownGroup
+from qmq.meta.registry import DEFAULT_ROUTE_GROUPS, ROUTE_STATE_TTL_S, UNAVAILABLE_AFTER_S, Registry, UnknownGroup
 
 
 class Clock:
@@ -131,3 +132,45 @@ def test_naive_and_aware_timestamps_agree(registry, clock) -> None:
     server = registry.servers()[0]
     assert server.last_heartbeat_at == clock.now
     assert server.last_heartbeat_at.tzinfo is not None
+
+
+def count_queries(engine: sa.Engine) -> list[str]:
+    """The queries run on `engine` from now on (appended as they run; not BEGIN and the like)."""
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement: str, *rest) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):
+            statements.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    return statements
+
+
+def test_route_look_ups_reuse_the_servers_and_groups_read_a_moment_ago(registry, clock) -> None:
+    """During a failover every producer asks for its route again: within ROUTE_STATE_TTL_S a look-up
+    reads only the subject's route, not every server and group again."""
+    brokers(registry, "g1", "g2", "g3")
+    assert names(registry.route("a", create=True)) == ["g1", "g2"]
+    statements = count_queries(registry.engine)
+    assert names(registry.route("a", create=True)) == ["g1", "g2"]
+    assert names(registry.route("b", create=False)) == []
+    assert len(statements) == 2 and all("FROM qmq_meta_route" in s for s in statements), statements
+    clock.advance(ROUTE_STATE_TTL_S)
+    statements.clear()
+    assert names(registry.route("a", create=True)) == ["g1", "g2"]
+    assert len(statements) > 2 and not any("count(" in s.lower() for s in statements)  # no count of every route
+
+
+def test_a_route_shows_this_processes_writes_at_once_and_another_meta_servers_after_a_moment(registry, clock) -> None:
+    other = Registry(registry.engine, clock=clock)  # a second meta server on the same database
+    brokers(registry, "g1", "g2")
+    assert [g.writable for g in registry.route("a", create=True).groups] == [True, True]
+    registry.set_read_only("g1", True)
+    assert [g.writable for g in registry.route("a", create=False).groups] == [False, True]
+    other.set_read_only("g2", True)
+    assert [g.writable for g in registry.route("a", create=False).groups] == [False, True]  # not yet...
+    clock.advance(ROUTE_STATE_TTL_S)
+    assert [g.writable for g in registry.route("a", create=False).groups] == [False, False]  # ...now
+    brokers(other, "g1", "g2", "g3")
+    clock.advance(-1)  # a clock stepped back: read again
+    assert names(registry.route("a", create=True)) == ["g1", "g2", "g3"]

@@ -19,8 +19,9 @@ All methods are blocking (database round trips): call them off the event loop. D
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
@@ -36,6 +37,11 @@ HEARTBEAT_INTERVAL_S = 10  # how often brokers and delay servers are asked to he
 UNAVAILABLE_AFTER_S = 30  # a server silent for longer than this is unavailable
 DEFAULT_ROUTE_GROUPS = 2  # writable broker groups a producer's subject is kept on
 WRITE_ATTEMPTS = 3  # a write that lost a race with another meta server (unique key) is retried
+# A route look-up reuses the servers and groups read this recently (this process's own writes make it
+# read them again at once): during a failover every producer asks again, up to once a second each
+# while its send waits (docs/client.md), and a read of them costs 5 queries. Another meta server's
+# writes (and a heartbeat's age) show this much later at most; clients cache routes for 30 s anyway.
+ROUTE_STATE_TTL_S = 0.1
 
 Kind = Literal["broker", "delay"]
 T = TypeVar("T")
@@ -182,6 +188,10 @@ class Registry:
         self.route_groups = route_groups
         self.clock = clock
         self._route_lock = threading.Lock()  # one route extension at a time in this process
+        # (the clock when read, servers, groups without their subject counts) for route look-ups
+        self._route_state: tuple[datetime, list[ServerState], dict[str, GroupState]] | None = None
+        self._writes = 0  # write transactions ended: a read that overlapped one is not kept
+        self._route_state_ttl = timedelta(seconds=ROUTE_STATE_TTL_S)
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -233,7 +243,7 @@ class Registry:
         """A clean shutdown: the server is unavailable at once (its next heartbeat brings it back).
         Returns False for an address never registered."""
         now = self.clock()
-        with self.engine.begin() as conn:
+        with self._changing(), self.engine.begin() as conn:
             result = conn.execute(
                 schema.server.update().where(schema.server.c.address == address).values(unregistered_at=now)
             )
@@ -251,13 +261,13 @@ class Registry:
     def remove(self, address: str) -> bool:
         """A server gone for good (`qmq admin group forget`): no longer listed at all. Its next
         heartbeat, should it ever come back, registers it again. Returns False for an unknown one."""
-        with self.engine.begin() as conn:
+        with self._changing(), self.engine.begin() as conn:
             return conn.execute(schema.server.delete().where(schema.server.c.address == address)).rowcount > 0
 
     def set_read_only(self, group: str, read_only: bool) -> bool:
         """Set a group's read-only flag; returns whether it changed. Raises UnknownGroup."""
         now = self.clock()
-        with self.engine.begin() as conn:
+        with self._changing(), self.engine.begin() as conn:
             row = conn.execute(sa.select(schema.group.c.read_only).where(schema.group.c.name == group)).first()
             if row is None:
                 raise UnknownGroup(group)
@@ -281,8 +291,14 @@ class Registry:
     def _read_route(self, subject: str) -> _RouteRead:
         now = self.clock()
         with self.engine.connect() as conn:
-            servers = self._servers(conn, now)
-            groups = self._groups(conn, now, servers)
+            state = self._route_state
+            if state is None or not timedelta(0) <= now - state[0] < self._route_state_ttl:
+                writes = self._writes
+                servers = self._servers(conn, now)
+                state = (now, servers, self._groups(conn, now, servers, counts=False))
+                if writes == self._writes:
+                    self._route_state = state
+            _, servers, groups = state
             names = self._route_names(conn, subject)
         delay = tuple(s for s in servers if s.kind == "delay" and s.serves)
         return _RouteRead(subject, groups, names, delay)
@@ -337,12 +353,22 @@ class Registry:
         """Run `fn` in a transaction; retry when it lost an insert race to another process."""
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                with self.engine.begin() as conn:
+                with self._changing(), self.engine.begin() as conn:
                     return fn(conn)
             except sa.exc.IntegrityError:
                 if attempt == WRITE_ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Around a write transaction: route look-ups read the servers and groups again once it
+        ended (committed or not), not from before it."""
+        try:
+            yield
+        finally:
+            self._writes += 1
+            self._route_state = None
 
     def _servers(self, conn: Connection, now: datetime) -> list[ServerState]:
         rows = conn.execute(sa.select(schema.server).order_by(schema.server.c.address)).all()
@@ -383,15 +409,18 @@ class Registry:
         return replicas, {r.master: r.epoch for r in rows}
 
     def _groups(
-        self, conn: Connection, now: datetime, servers: list[ServerState] | None = None
+        self, conn: Connection, now: datetime, servers: list[ServerState] | None = None, *, counts: bool = True
     ) -> dict[str, GroupState]:
-        """Every broker group; `servers` when the caller has read them already (in this transaction)."""
+        """Every broker group; `servers` when the caller has read them already (in this transaction).
+        `counts=False`: each group's `subjects` left at 0, unread (a count over every route row)."""
         servers = [s for s in (servers if servers is not None else self._servers(conn, now)) if s.kind == "broker"]
-        counts = dict(
-            conn.execute(
-                sa.select(schema.route.c.group_name, sa.func.count()).group_by(schema.route.c.group_name)
-            ).all()
-        )
+        subjects: dict[str, int] = {}
+        if counts:
+            subjects = dict(
+                conn.execute(
+                    sa.select(schema.route.c.group_name, sa.func.count()).group_by(schema.route.c.group_name)
+                ).all()
+            )
         masters = {
             r.group_name: (r.master, r.epoch)
             for r in conn.execute(
@@ -409,7 +438,7 @@ class Registry:
                 read_only=bool(row.read_only),
                 available=bool(live),
                 addresses=tuple(s.address for s in listed),
-                subjects=int(counts.get(row.name, 0)),
+                subjects=int(subjects.get(row.name, 0)),
                 external_addresses=tuple(s.outside_address for s in listed),
                 master=master,
                 epoch=epoch,
