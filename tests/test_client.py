@@ -401,6 +401,28 @@ def test_meta_server_unreachable_or_without_brokers(processes, tmp_path) -> None
             client.subscribe("s", "g")
 
 
+def test_closing_a_client_ends_a_send_waiting_for_a_broker(processes, tmp_path, brokers, caplog) -> None:
+    """A send waiting out its delivery timeout (no broker yet) ends when its client is closed, with an
+    error saying so, and a closed client fails a send at once: nothing more goes through it."""
+    meta = start_meta(processes, tmp_path)
+    client = Client(meta=meta, delivery_timeout_s=120)
+    with ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(client.send, [OutgoingMessage("nobody.home", "x")])
+        wait_until(lambda: "no writable broker group known for nobody.home now" in caplog.text, "the send waiting")
+        client.close()
+        [result] = sending.result(timeout=60)  # not the 120 s of its delivery timeout
+    assert not result.ok and result.error_code == ErrorCode.UNAVAILABLE
+    assert "this client was closed" in result.error, result.error
+    started = time.monotonic()
+    [again] = client.send([OutgoingMessage("nobody.home", "y")])
+    assert not again.ok and "this client was closed" in again.error, again.error
+    assert time.monotonic() - started < 60  # at once, not after the delivery timeout
+    with Client(brokers=[b.address for b in brokers]) as closed:  # two groups: sent in parallel
+        assert all(r.ok for r in closed.send([OutgoingMessage("s", f"before close {i}") for i in range(20)]))
+    results = closed.send([OutgoingMessage("s", f"after close {i}") for i in range(20)])
+    assert all(not r.ok and "this client was closed" in r.error for r in results), results[0]
+
+
 def test_a_send_waits_for_a_broker_that_joins_within_its_delivery_timeout(processes, tmp_path, caplog) -> None:
     """Kafka's delivery.timeout.ms: a send finding no broker for its subject (none yet, or a
     failover) asks the meta server again until its delivery timeout, instead of failing at once."""

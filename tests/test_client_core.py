@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from qmq.client.consuming import ACK_TIMEOUT_S, SubscriptionCore, pull_retry_delay_s, update_slots
 from qmq.client.core import ClientCore
 from qmq.client.deliveries import PULL_REPLY_GRACE_S, AckTracker, Delivery, SubscribeOptions, SubscriptionState
-from qmq.client.errors import ClientError, ConnectFailed, InvalidMessage, MetaUnreachable
+from qmq.client.errors import ClientClosed, ClientError, ConnectFailed, InvalidMessage, MetaUnreachable
 from qmq.client.messages import OutgoingMessage, SendError, check_message
 from qmq.client.routes import META_TIMEOUT_S, RouteBook, RouteCache, parse_address, parse_route, static_route
 from qmq.client.sending import RETRY_DELAY_S, RETRY_MAX_DELAY_S, GroupHealth, SendJob, choose_group
@@ -551,6 +551,16 @@ def test_send_job_offers_a_message_again_until_its_delivery_timeout_then_names_i
     [result] = job.results()
     assert not result.ok and result.error_code == ErrorCode.UNAVAILABLE
     assert result.error.startswith("not stored within 10 s (8 attempts, on g1); last: group g1: refused")
+
+
+def test_a_closed_client_ends_a_send_job_at_once() -> None:
+    job = SendJob(messages(2), delivery_timeout_s=60.0, started=0.0)
+    [b] = job.plan({"s": route(G1)}, now=1.0)
+    assert not job.on_error(b, ClientClosed())  # not offered again: nothing goes through it any more
+    assert [r.error for r in job.results()] == ["this client was closed"] * 2
+    waiting = SendJob(messages(1), delivery_timeout_s=60.0, started=0.0)
+    waiting.fail_subject("s", ErrorCode.UNAVAILABLE, "this client was closed", 1.0, final=True)
+    assert waiting.done and not waiting.waiting
 
 
 def test_send_job_without_a_delivery_timeout_stops_at_its_attempts() -> None:

@@ -16,6 +16,7 @@ from qmq.client.aio import AsyncClient, AsyncSubscription
 from qmq.client.blocking import Client, Subscription
 from qmq.client.deliveries import Delivery
 from qmq.client.errors import (
+    ClientClosed,
     ClientError,
     InvalidMessage,
     InvalidSubscription,
@@ -28,6 +29,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSubscription",
     "Client",
+    "ClientClosed",
     "ClientError",
     "Delivery",
     "InvalidMessage",

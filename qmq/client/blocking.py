@@ -31,7 +31,7 @@ from qmq.client.admin import ADMIN_OPERATIONS, AdminCore
 from qmq.client.consuming import SubscriptionCore
 from qmq.client.core import CLIENT_OPERATIONS, ClientCore
 from qmq.client.deliveries import DEFAULT_PULL_MAX, DEFAULT_PULL_WAIT_S, Delivery, SubscribeOptions
-from qmq.client.errors import ClientError
+from qmq.client.errors import ClientClosed, ClientError
 from qmq.client.pool import ConnectionPool
 from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Step, Steps, Subscribe, WaitAll, WaitAny, bound
 
@@ -112,7 +112,10 @@ class Client(ClientCore):
         if isinstance(step, Calls):
             if len(step.calls) == 1:
                 return [request(self._pool, step.calls[0])]
-            futures = [self._send_executor().submit(request, self._pool, call) for call in step.calls]
+            try:
+                futures = [self._send_executor().submit(request, self._pool, call) for call in step.calls]
+            except RuntimeError:  # its threads were shut down by close()
+                return [ClientClosed() for _ in step.calls]
             return [future.result() for future in futures]
         if isinstance(step, Sleep):
             time.sleep(step.seconds)

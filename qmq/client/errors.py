@@ -19,6 +19,13 @@ class MetaUnreachable(ClientError):
     """The meta server could not be asked for a route."""
 
 
+class ClientClosed(ClientError, ConnectionError):
+    """The client was closed: nothing more goes through it (a send waiting for a broker ends)."""
+
+    def __init__(self) -> None:
+        super().__init__("this client was closed")
+
+
 class NoRoute(ClientError):
     """No broker group carries the subject (none registered, or every one is unavailable)."""
 

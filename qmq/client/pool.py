@@ -12,7 +12,7 @@ import asyncio
 import threading
 from typing import Any, Generic, TypeVar
 
-from qmq.client.errors import ConnectFailed
+from qmq.client.errors import ClientClosed, ConnectFailed
 from qmq.client.routes import parse_address
 from qmq.net.aio_client import AsyncConnection
 from qmq.net.client import BlockingConnection
@@ -61,7 +61,7 @@ class ConnectionPool(_Pool[BlockingConnection]):
         token)."""
         with self._lock:
             if self._closed:
-                raise ConnectionError("this client was closed")
+                raise ClientClosed()
             conn = self._connections.get(address)
             if conn is not None and not conn.closed:
                 return conn
@@ -87,7 +87,7 @@ class ConnectionPool(_Pool[BlockingConnection]):
             with self._lock:
                 if self._closed:
                     conn.close()
-                    raise ConnectionError("this client was closed")
+                    raise ClientClosed()
                 self._connections[address] = conn
             return conn
 
@@ -116,7 +116,7 @@ class AsyncConnectionPool(_Pool[AsyncConnection]):
 
     async def get(self, address: str, call_timeout_s: float | None = None) -> AsyncConnection:
         if self._closed:
-            raise ConnectionError("this client was closed")
+            raise ClientClosed()
         conn = self._connections.get(address)
         if conn is not None and not conn.closed:
             return conn
@@ -139,7 +139,7 @@ class AsyncConnectionPool(_Pool[AsyncConnection]):
                 raise _connect_failed(address, exc) from None
             if self._closed:
                 await conn.close()
-                raise ConnectionError("this client was closed")
+                raise ClientClosed()
             self._connections[address] = conn
             return conn
 

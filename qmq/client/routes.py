@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qmq.client.errors import ClientError, ConnectFailed, MetaUnreachable, NoRoute
+from qmq.client.errors import ClientClosed, ClientError, ConnectFailed, MetaUnreachable, NoRoute
 from qmq.client.steps import Call, Steps
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import RemoteError
@@ -289,6 +289,8 @@ class RouteBook:
         if not refresh and (route := self.cache.fresh(subject, now)) is not None:
             return route
         reply = yield from meta_call(self.meta, RequestCode.META_ROUTE, route_request(subject), META_TIMEOUT_S)
+        if isinstance(reply, ClientClosed):
+            raise reply
         if isinstance(reply, RemoteError | OSError):
             error = meta_error(self.meta, subject, reply)
             stale = self.cache.stale(subject)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qmq.client.errors import ClientError, InvalidMessage, MetaUnreachable, error_name
+from qmq.client.errors import ClientClosed, ClientError, InvalidMessage, MetaUnreachable, error_name
 from qmq.client.messages import OutgoingMessage, SendResult, now_ms
 from qmq.client.routes import Route, RouteBook, RouteGroup, with_epoch
 from qmq.client.steps import Call, Calls, Sleep, Steps
@@ -118,6 +118,8 @@ class SendBatch:
 
 def classify_send_error(exc: BaseException) -> tuple[bool, int, str]:
     """(worth trying elsewhere, error code, text) for an exception from a BROKER_SEND request."""
+    if isinstance(exc, ClientClosed):  # nothing more goes through this client: no use waiting
+        return False, ErrorCode.UNAVAILABLE, str(exc)
     if isinstance(exc, RemoteError):
         return exc.code in RETRIABLE_SEND_CODES, exc.code, str(exc)
     if isinstance(exc, ProtocolError):  # refused by our own connection, e.g. a frame over the limit
@@ -201,12 +203,12 @@ class SendJob:
         wire = self.wires[i]
         return wire["subject"] if wire is not None else self.messages[i].subject
 
-    def fail_subject(self, subject: str, code: int, text: str, now: float = 0.0) -> None:
+    def fail_subject(self, subject: str, code: int, text: str, now: float = 0.0, *, final: bool = False) -> None:
         """The route of `subject` cannot be had: its pending messages wait for it until the deadline
-        (`waiting`), or fail with this error."""
+        (`waiting`), or fail with this error (at once when `final`)."""
         for i in self._pending():
             if self.route_subject(i) == subject:
-                if self._may_wait(now):
+                if not final and self._may_wait(now):
                     self._last_error[i] = (code, text)
                     self.waiting.add(subject)
                 else:
@@ -395,6 +397,8 @@ def send(
                 )
             except MetaUnreachable as exc:
                 job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc), time.monotonic())
+            except ClientClosed as exc:
+                job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc), final=True)
         with health.lock:
             batches = job.plan(routes_now, health, time.monotonic())
         refresh = set()
