@@ -551,9 +551,9 @@ def test_cli_tail_from_latest_until_stopped(processes, brokers, stop) -> None:
 
 def test_cli_errors_are_named(processes, brokers, tmp_path) -> None:
     dead = f"{HOST}:{free_port()}"
-    result = qmq("send", "s", "x", "--meta", dead)
+    result = qmq("send", "s", "x", "--meta", dead, "--delivery-timeout", "0")
     assert result.returncode != 0 and f"cannot reach the meta server at {dead}" in result.stderr.decode()
-    result = qmq("send", "s", "x", env={"QMQ_META": dead})  # the environment stands in for --meta
+    result = qmq("send", "s", "x", "--delivery-timeout", "0", env={"QMQ_META": dead})  # QMQ_META stands in for --meta
     assert result.returncode != 0 and f"cannot reach the meta server at {dead}" in result.stderr.decode()
     result = qmq("tail", "s", "--group", "g", "--meta", dead, "--timeout", "1")
     assert result.returncode != 0 and f"cannot reach the meta server at {dead}" in result.stderr.decode()
@@ -574,5 +574,10 @@ def test_cli_errors_are_named(processes, brokers, tmp_path) -> None:
     assert result.returncode != 0 and "subject 'bad subject'" in result.stderr.decode()
 
     meta = start_meta(processes, tmp_path)
-    result = qmq("send", "s", "x", "--meta", meta)
+    result = qmq("send", "s", "x", "--meta", meta, "--delivery-timeout", "0")
     assert result.returncode != 0 and "no broker group carries subject 's'" in result.stderr.decode()
+    result = qmq("send", "s", "x", "--meta", meta, "--delivery-timeout", "0.5")  # said at once, then waited for
+    err = result.stderr.decode()
+    assert result.returncode != 0 and "no broker group carries subject 's'" in err.splitlines()[0], err
+    assert "waiting up to 0.5 s for one (--delivery-timeout)" in err.splitlines()[0], err
+    assert "not stored within 0.5 s; no writable broker group carries subject 's'" in err, err

@@ -583,6 +583,8 @@ def test_send_job_waits_for_a_writable_group_until_its_delivery_timeout() -> Non
     assert len(b.indices) == 2 and not job.waiting
     job.on_reply(b, {"stored": 2, "rejected": []})
     assert all(r.ok for r in job.results())
+    static = SendJob(messages(1), delivery_timeout_s=5.0, started=0.0, routes_change=False)  # brokers given
+    assert static.plan({"s": route(down)}, now=0.0) == [] and static.done  # no group can appear: no wait
     late = SendJob(messages(1), delivery_timeout_s=5.0, started=0.0)
     late.fail_subject("s", ErrorCode.UNAVAILABLE, "cannot reach the meta server at m:1", now=1.0)
     assert late.waiting == {"s"} and not late.done

@@ -177,7 +177,7 @@ def test_the_dev_cluster_with_tls_serves_over_tls_only(processes, tmp_path) -> N
             assert conn.request(RequestCode.PING, {"n": 1}) == {"n": 1}
         with pytest.raises(OSError):  # ConnectionError or TimeoutError: the server never answers in plain
             BlockingConnection.open(host, int(port), token="", timeout=5)
-    plain = qmq_cli("send", "dev.tls", '"plain"', "--json", meta=meta)
+    plain = qmq_cli("send", "dev.tls", '"plain"', "--json", "--delivery-timeout", "0", meta=meta)
     assert plain.returncode != 0
     os.killpg(dev.pid, signal.SIGINT)
     assert dev.wait(30) == 0

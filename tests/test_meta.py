@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from qmq.client import Client, OutgoingMessage
 from qmq.net.client import BlockingConnection
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
@@ -220,6 +222,12 @@ def test_token_is_required_when_set(processes, sqlite_url) -> None:
     assert wrong.value.code == ErrorCode.UNAUTHORIZED
     with connect(port, token="s3cret") as conn:
         assert route(conn, "a", create=False)["groups"] == []
+    # A client with the wrong token is told at once: a refusal is not waited out like an outage.
+    with Client(meta=f"127.0.0.1:{port}", token="wrong", delivery_timeout_s=120) as client:
+        started = time.monotonic()
+        [result] = client.send([OutgoingMessage("a", "x")])
+    assert not result.ok and result.error_code == ErrorCode.UNAUTHORIZED, result
+    assert time.monotonic() - started < 60  # not its delivery timeout
 
 
 @pytest.mark.parametrize(

@@ -152,7 +152,18 @@ def test_servers_and_the_cli_speak_tls_to_each_other(processes, tmp_path, certs,
         assert tailed.returncode == 0, tailed.stderr
         assert sent.stdout.strip() in tailed.stdout and "hello" in tailed.stdout
         refused = subprocess.run(
-            [sys.executable, "-m", "qmq", "send", "tls.subject", "x", "--meta", f"{HOST}:{meta_port}"],
+            [
+                sys.executable,
+                "-m",
+                "qmq",
+                "send",
+                "tls.subject",
+                "x",
+                "--meta",
+                f"{HOST}:{meta_port}",
+                "--delivery-timeout",
+                "0",
+            ],
             env=env,
             capture_output=True,
             text=True,

@@ -101,7 +101,7 @@ def send(
         delay_servers=list(delay_servers),
     )
     try:
-        _check_route(client, subject, delayed=deliver_at is not None)
+        _check_route(client, subject, delayed=deliver_at is not None, wait_s=delivery_timeout)
         sent = 0
         while sent < count:
             n = min(count - sent, batch * CHUNK_BATCHES)
@@ -188,33 +188,43 @@ def _parse_headers(headers: tuple[str, ...]) -> dict[str, str] | None:
     return out or None
 
 
-def _check_route(client: Any, subject: str, *, delayed: bool = False) -> None:
+def _check_route(client: Any, subject: str, *, delayed: bool = False, wait_s: float = 0.0) -> None:
     """Name the problem once, before sending, when the subject is not allowed, the meta server is
-    unreachable, or it knows no broker group (or delay server) that takes the subject."""
+    unreachable, or it knows no broker group (or delay server) that takes the subject: an error, or
+    with `wait_s` (--delivery-timeout) a warning, and the send waits that long for one."""
     try:
         validate_subject(subject)
     except ProtocolError as exc:
         raise click.UsageError(exc.message) from None
     if delayed and client.delay_servers:
         return  # given directly: the meta server is not asked (nor needed)
+    problem = _route_problem(client, subject, delayed)
+    if problem is None:
+        return
+    if not wait_s or client.meta is None:  # brokers given directly: no group can appear
+        raise click.ClickException(problem)
+    click.echo(f"qmq send: {problem}; waiting up to {wait_s:g} s for one (--delivery-timeout)", err=True)
+
+
+def _route_problem(client: Any, subject: str, delayed: bool) -> str | None:
+    """Why no message of `subject` can be sent now; None when one can."""
     try:
         route = client.route(subject)
     except ClientError as exc:
-        raise click.ClickException(str(exc)) from None
+        return str(exc)
     if delayed:
-        if not route.delay_route.writable_groups:
-            raise click.ClickException(
-                "no delay server is available for delayed messages: start `qmq delay-server` "
-                "with --meta, or give --delay-server HOST:PORT"
-            )
-        return
-    if not route.writable_groups:
-        if route.groups:
-            names = ", ".join(g.name for g in route.groups)
-            raise click.ClickException(
-                f"no broker group takes messages for {subject!r} now: its groups ({names}) are unavailable or read-only"
-            )
-        raise click.ClickException(str(no_route_error(client.meta, subject)))
+        if route.delay_route.writable_groups:
+            return None
+        return (
+            "no delay server is available for delayed messages: start `qmq delay-server` "
+            "with --meta, or give --delay-server HOST:PORT"
+        )
+    if route.writable_groups:
+        return None
+    if route.groups:
+        names = ", ".join(g.name for g in route.groups)
+        return f"no broker group takes messages for {subject!r} now: its groups ({names}) are unavailable or read-only"
+    return str(no_route_error(client.meta, subject))
 
 
 def _report(failed: list[SendResult], not_tried: int) -> None:

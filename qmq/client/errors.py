@@ -16,7 +16,12 @@ class ClientError(Exception):
 
 
 class MetaUnreachable(ClientError):
-    """The meta server could not be asked for a route."""
+    """The meta server could not be asked for a route. `code`: the error it answered with, when it
+    answered (a wrong token, a refusal), None when it could not be reached."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class ClientClosed(ClientError, ConnectionError):

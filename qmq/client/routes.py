@@ -252,7 +252,7 @@ def resolve_delay_servers(delay_servers: Sequence[str] | None) -> tuple[str, ...
 
 def meta_error(meta: str, subject: str, exc: BaseException) -> MetaUnreachable:
     if isinstance(exc, RemoteError):
-        return MetaUnreachable(f"the meta server at {meta} could not give a route for {subject!r}: {exc}")
+        return MetaUnreachable(f"the meta server at {meta} could not give a route for {subject!r}: {exc}", exc.code)
     reason = exc.reason if isinstance(exc, ConnectFailed) else str(exc)
     return MetaUnreachable(f"cannot reach the meta server at {meta}: {reason}")
 

@@ -145,10 +145,12 @@ class SendJob:
         max_batch_bytes: int = MAX_BATCH_BYTES,
         delivery_timeout_s: float = 0.0,
         started: float = 0.0,
+        routes_change: bool = True,
     ) -> None:
         """For `delivery_timeout_s` from `started` (the clock `plan` is given) a message that failed
-        in a way worth trying again, or that has no writable group, is offered again after its
-        attempts ran out, and waits for a group to appear (`waiting`); 0: `max_attempts` decides."""
+        in a way worth trying again is offered again after its attempts ran out, and one with no
+        writable group waits for one to appear (`waiting`) unless its routes never change
+        (`routes_change` False: brokers given directly); 0: `max_attempts` decides."""
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.batch_size = batch_size
@@ -156,6 +158,7 @@ class SendJob:
         self.max_batch_bytes = max_batch_bytes
         self.delivery_timeout_s = delivery_timeout_s
         self.deadline = started + delivery_timeout_s if delivery_timeout_s > 0 else None
+        self.routes_change = routes_change
         self.waiting: set[str] = set()  # set by plan(): route subjects whose messages wait for a group
         self.rounds_waited = 0  # rounds in a row that ended with messages waiting for a group
         self.messages = list(messages)
@@ -262,7 +265,7 @@ class SendJob:
                     if delayed
                     else f"no writable broker group carries subject {message.subject!r}"
                 )
-                if may_wait:  # a broker may join, a replica take office: the route is asked again
+                if may_wait and self.routes_change:  # a broker may join, a replica take office: asked again
                     self.waiting.add(subject)
                     continue
                 if self._last_error[i] is not None:
@@ -383,7 +386,11 @@ def send(
     another group of its route (the same id), its route asked for again; for `delivery_timeout_s`
     (plus the request in flight then) it is offered again, and waits for a writable group."""
     job = SendJob(
-        list(messages), batch_size=batch_size, delivery_timeout_s=delivery_timeout_s, started=time.monotonic()
+        list(messages),
+        batch_size=batch_size,
+        delivery_timeout_s=delivery_timeout_s,
+        started=time.monotonic(),
+        routes_change=routes.meta is not None,
     )
     refresh: set[str] = set()
     while not job.done:
@@ -395,8 +402,9 @@ def send(
                 routes_now[subject] = yield from routes.lookup(
                     subject, refresh=subject in refresh, delayed_only=delayed_only
                 )
-            except MetaUnreachable as exc:
-                job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc), time.monotonic())
+            except MetaUnreachable as exc:  # waited out, unless the meta server refused (a wrong token)
+                final = exc.code is not None and exc.code not in RETRIABLE_SEND_CODES
+                job.fail_subject(subject, exc.code or ErrorCode.UNAVAILABLE, str(exc), time.monotonic(), final=final)
             except ClientClosed as exc:
                 job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc), final=True)
         with health.lock:
