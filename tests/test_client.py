@@ -423,6 +423,34 @@ def test_closing_a_client_ends_a_send_waiting_for_a_broker(processes, tmp_path, 
     assert all(not r.ok and "this client was closed" in r.error for r in results), results[0]
 
 
+def test_the_async_client_waits_for_a_broker_too_and_closing_it_ends_a_send(processes, tmp_path, caplog) -> None:
+    meta = start_meta(processes, tmp_path)
+
+    async def logged(text: str) -> None:
+        """Until the client logs `text` (the log line is the event: there is no hook to await)."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while text not in caplog.text:
+            assert time.monotonic() < deadline, f"no log line {text!r}"
+            await asyncio.sleep(0.05)
+
+    async def main() -> tuple[Any, Any]:
+        closing = AsyncClient(meta=meta, delivery_timeout_s=120)
+        waiting = asyncio.ensure_future(closing.send([OutgoingMessage("nobody.async", "x")]))
+        await logged("no writable broker group known for nobody.async now")
+        await closing.close()
+        [ended] = await asyncio.wait_for(waiting, 60)  # not the 120 s of its delivery timeout
+        async with AsyncClient(meta=meta, delivery_timeout_s=120) as client:
+            sending = asyncio.ensure_future(client.send([OutgoingMessage("late.async", "x")]))
+            await logged("no writable broker group known for late.async now")
+            await asyncio.to_thread(start_broker, processes, tmp_path / "late", "--meta", meta, "--group", "late")
+            [joined] = await asyncio.wait_for(sending, 60)
+        return ended, joined
+
+    ended, joined = asyncio.run(main())
+    assert not ended.ok and "this client was closed" in ended.error, ended.error
+    assert joined.ok and joined.group == "late", joined.error
+
+
 def test_a_send_waits_for_a_broker_that_joins_within_its_delivery_timeout(processes, tmp_path, caplog) -> None:
     """Kafka's delivery.timeout.ms: a send finding no broker for its subject (none yet, or a
     failover) asks the meta server again until its delivery timeout, instead of failing at once."""

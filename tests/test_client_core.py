@@ -561,6 +561,7 @@ def test_a_closed_client_ends_a_send_job_at_once() -> None:
     waiting = SendJob(messages(1), delivery_timeout_s=60.0, started=0.0)
     waiting.fail_subject("s", ErrorCode.UNAVAILABLE, "this client was closed", 1.0, final=True)
     assert waiting.done and not waiting.waiting
+    assert waiting.results()[0].error == "this client was closed"  # not "within 60 s": it did not wait
 
 
 def test_send_job_without_a_delivery_timeout_stops_at_its_attempts() -> None:
@@ -585,6 +586,7 @@ def test_send_job_waits_for_a_writable_group_until_its_delivery_timeout() -> Non
     assert all(r.ok for r in job.results())
     static = SendJob(messages(1), delivery_timeout_s=5.0, started=0.0, routes_change=False)  # brokers given
     assert static.plan({"s": route(down)}, now=0.0) == [] and static.done  # no group can appear: no wait
+    assert static.results()[0].error == "no writable broker group carries subject 's'"
     late = SendJob(messages(1), delivery_timeout_s=5.0, started=0.0)
     late.fail_subject("s", ErrorCode.UNAVAILABLE, "cannot reach the meta server at m:1", now=1.0)
     assert late.waiting == {"s"} and not late.done

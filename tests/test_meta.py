@@ -227,6 +227,7 @@ def test_token_is_required_when_set(processes, sqlite_url) -> None:
         started = time.monotonic()
         [result] = client.send([OutgoingMessage("a", "x")])
     assert not result.ok and result.error_code == ErrorCode.UNAUTHORIZED, result
+    assert result.error.startswith("the meta server at") and "within" not in result.error, result.error
     assert time.monotonic() - started < 60  # not its delivery timeout
 
 

@@ -215,7 +215,8 @@ class SendJob:
                     self._last_error[i] = (code, text)
                     self.waiting.add(subject)
                 else:
-                    self._finish(i, self._failure(self.messages[i], code, self._gave_up(i, text)))
+                    waited = not final and self.deadline is not None
+                    self._finish(i, self._failure(self.messages[i], code, self._gave_up(i, text, waited)))
 
     def plan(self, routes: Mapping[str, Route], health: GroupHealth | None = None, now: float = 0.0) -> list[SendBatch]:
         """The batches for the next round: each pending message offered to one group. Messages with
@@ -244,7 +245,8 @@ class SendJob:
             tried = self._tried[i]
             if len(tried) >= self.max_attempts and not may_wait:
                 code, text = self._last_error[i] or (ErrorCode.UNAVAILABLE, "no attempt left")
-                self._finish(i, self._failure(message, code, self._gave_up(i, f"last: {text}")))
+                waited = self.deadline is not None  # and it passed
+                self._finish(i, self._failure(message, code, self._gave_up(i, f"last: {text}", waited)))
                 continue
             found = chosen.get((subject, delayed))
             if found is None:
@@ -270,7 +272,8 @@ class SendJob:
                     continue
                 if self._last_error[i] is not None:
                     text += f" (last error: {self._last_error[i][1]})"
-                self._finish(i, self._failure(message, ErrorCode.UNAVAILABLE, self._gave_up(i, text)))
+                waited = self.deadline is not None and not may_wait
+                self._finish(i, self._failure(message, ErrorCode.UNAVAILABLE, self._gave_up(i, text, waited)))
                 continue
             if again:
                 assert route is not None
@@ -338,11 +341,12 @@ class SendJob:
         look for a group (1 for the first)."""
         return min(RETRY_DELAY_S * 2 ** min(max(retries - 1, 0), 10), RETRY_MAX_DELAY_S)
 
-    def _gave_up(self, i: int, text: str) -> str:
-        """The error of a message given up on: its attempts (when it had any), then `text`."""
+    def _gave_up(self, i: int, text: str, waited: bool) -> str:
+        """The error of a message given up on: the delivery timeout when it was `waited` out, its
+        attempts (when it had any), then `text`."""
         tried = self._tried[i]
         names = ", ".join(dict.fromkeys(tried))
-        if self.deadline is not None:
+        if waited:
             attempts = f" ({len(tried)} attempts, on {names})" if tried else ""
             return f"not stored within {self.delivery_timeout_s:g} s{attempts}; {text}"
         return f"not stored after {len(tried)} attempts (on {names}); {text}" if tried else text
