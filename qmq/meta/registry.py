@@ -37,10 +37,11 @@ HEARTBEAT_INTERVAL_S = 10  # how often brokers and delay servers are asked to he
 UNAVAILABLE_AFTER_S = 30  # a server silent for longer than this is unavailable
 DEFAULT_ROUTE_GROUPS = 2  # writable broker groups a producer's subject is kept on
 WRITE_ATTEMPTS = 3  # a write that lost a race with another meta server (unique key) is retried
-# A route look-up reuses the servers and groups read this recently (this process's own writes make it
+# A route look-up reuses the servers and groups read this recently (this registry's own writes make it
 # read them again at once): during a failover every producer asks again, up to once a second each
-# while its send waits (docs/client.md), and a read of them costs 5 queries. Another meta server's
-# writes (and a heartbeat's age) show this much later at most; clients cache routes for 30 s anyway.
+# while its send waits (docs/client.md), and a read of them costs 5 queries. Other writes (another
+# meta server's, the failover decisions of qmq.meta.election) and a heartbeat's age show this much
+# later at most; clients cache routes for 30 s anyway.
 ROUTE_STATE_TTL_S = 0.1
 
 Kind = Literal["broker", "delay"]
