@@ -21,6 +21,7 @@ from qmq.protocol.limits import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES
 from tests.support.broker import HOST, Broker, RawConsumer, restart_broker, send, start_broker
 from tests.support.metrics import sample, scrape
 from tests.support.processes import ProcessManager, free_port, wait_for_port
+from tests.support.replication import wait_role
 from tests.test_meta import log_text, start_meta, wait_until
 from tests.test_net import assert_connection_error_frame, raw_exchange
 
@@ -292,11 +293,14 @@ def test_registers_in_its_group_follows_the_read_only_flag_and_unregisters_at_si
         server = wait_until(listed, "the broker to register")
         assert (server["kind"], server["group"], server["unregistered_at"]) == ("broker", "g1", None)
 
-        def routed() -> dict | None:  # the meta server names the master at its next sweep, not at registration
+        def routed() -> dict | None:  # a route names the master once the meta server chose it
             route = meta.request(RequestCode.META_ROUTE, {"subject": "orders", "create": True})
             return route if route["groups"] and route["groups"][0].get("master") else None
 
         route = wait_until(routed, "the meta server to name the group's master")
+        # The broker takes office a moment later (the heartbeat's reply, then its consumption state):
+        # until then it answers NOT_MASTER "pending", which clients retry.
+        wait_role(broker, "master")
         assert route["groups"] == [
             {
                 "name": "g1",
