@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -180,6 +181,7 @@ class Roles:
         self.membership: Any = None  # qmq.meta.membership.Membership, set by the process
         self.meta_read_only = False
         self.read_only = False  # what the service was last told
+        self._read_only_why = ""  # and why it was told read-only
         self._replica_open = False
         self._started = asyncio.Event()  # a server alone answers once it recovered, not NOT_MASTER
         self.failover_after_s = DEFAULT_FAILOVER_AFTER_S
@@ -377,6 +379,9 @@ class Roles:
             stats["ack_replicas"] = self.followers.ack_replicas
             stats["replicas"] = self.followers.stats()
             stats["writable"] = not self.read_only
+            stats["read_only_why"] = self._read_only_why
+        if self.membership is not None:
+            stats["meta_reply_age_s"] = round(time.monotonic() - self.membership.last_reply_at, 3)
         if self.fetcher is not None:
             stats["master_end"] = self.fetcher.master_end
             stats["lag_bytes"] = max(0, self.fetcher.master_end - self.store.end_offset)
@@ -419,6 +424,7 @@ class Roles:
         if epoch > ep.last_epoch(self.epochs):
             self.epochs = ep.with_epoch(self.epochs, epoch, end)
             await asyncio.to_thread(ep.save, self.data_dir, self.epochs)
+        self._handing_off_until = 0.0  # a new term: an earlier term's handoff holds no send back
         if self.service is None:
             service = await self.duty.open_master(self.store, self.group)
             self.duty.set_acknowledged(service, self._acknowledged)
@@ -713,13 +719,19 @@ class Roles:
             if ready:
                 chosen = max(ready, key=lambda r: r.offset).address
                 log.warning("%s group %s: handing off to %s at log end %d", self.duty.kind, self.group, chosen, end)
+                self._handing_off_until = time.monotonic() + HANDOFF_HOLD_S  # while the meta server switches
                 return {"replica": chosen, "end": end, "epoch": self.epoch}
             if time.monotonic() >= deadline:
                 self._handing_off_until = 0.0
                 self._update_read_only()
                 who = to or "an in-sync replica"
                 raise RemoteError(ErrorCode.TIMEOUT, f"{who} did not catch up with log end {end} in {timeout_s:g} s")
-            await asyncio.sleep(HANDOFF_POLL_S)  # replicas fetch every few ms while sends are stopped
+            try:
+                await asyncio.sleep(HANDOFF_POLL_S)  # replicas fetch every few ms while sends are stopped
+            except asyncio.CancelledError:  # the request went away (its connection closed): sends again
+                self._handing_off_until = 0.0
+                self._update_read_only()
+                raise
 
     def _update_read_only(self) -> None:
         if self.service is None:
@@ -727,16 +739,16 @@ class Roles:
         lagging = self.followers is not None and not self.followers.writable
         handing_off = time.monotonic() < self._handing_off_until
         read_only = self.meta_read_only or lagging or handing_off
+        why = (
+            "set by the meta server"
+            if self.meta_read_only
+            else self.followers.why_not_writable()
+            if lagging and self.followers is not None
+            else "handing off to a replica"
+            if handing_off
+            else ""
+        )
         if read_only != self.read_only:
-            why = (
-                "set by the meta server"
-                if self.meta_read_only
-                else self.followers.why_not_writable()
-                if lagging and self.followers is not None
-                else "handing off to a replica"
-                if handing_off
-                else ""
-            )
             log.warning(
                 "%s group %s is now %s%s",
                 self.duty.kind,
@@ -744,7 +756,9 @@ class Roles:
                 "read-only" if read_only else "writable",
                 f" ({why})" if why else "",
             )
-        self.read_only = read_only
+        elif read_only and _kind_of(why) != _kind_of(self._read_only_why):  # still refusing sends, for another reason
+            log.warning("%s group %s is still read-only, now because %s", self.duty.kind, self.group, why)
+        self.read_only, self._read_only_why = read_only, why
         self.duty.set_read_only(self.service, read_only)
 
     async def _tick_forever(self) -> None:
@@ -802,3 +816,8 @@ def join(roles: Roles, meta: str, *, kind: str, external_address: str | None, re
     roles.membership = membership if replicated else None
     membership.start()
     return membership
+
+
+def _kind_of(why: str) -> str:
+    """A read-only reason without its counts, so that a count changing is not logged as a new reason."""
+    return re.sub(r"\d+", "#", why)
