@@ -18,7 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qmq.client.consuming import ACK_TIMEOUT_S, SubscriptionCore, pull_retry_delay_s, update_slots
+from qmq.client.consuming import (
+    ACK_TIMEOUT_S,
+    PULL_RETRY_MAX_DELAY_S,
+    SubscriptionCore,
+    pull_retry_delay_s,
+    update_slots,
+)
 from qmq.client.core import ClientCore
 from qmq.client.deliveries import PULL_REPLY_GRACE_S, AckTracker, Delivery, SubscribeOptions, SubscriptionState
 from qmq.client.errors import ClientClosed, ClientError, ConnectFailed, InvalidMessage, MetaUnreachable
@@ -364,7 +370,7 @@ def test_subscribe_options_are_checked() -> None:
 def test_pull_retry_delay_backs_off() -> None:
     delays = [pull_retry_delay_s(n) for n in range(1, 10)]
     assert delays[0] == 0  # a lost connection is reopened at once
-    assert delays == sorted(delays) and delays[-1] == 5.0
+    assert delays == sorted(delays) and delays[1] == 0.5 and delays[-1] == PULL_RETRY_MAX_DELAY_S == 1.0
 
 
 # ---- sending --------------------------------------------------------------------------------------
