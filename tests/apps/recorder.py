@@ -12,7 +12,7 @@ writes `worker_handled` through the message's session, so the row exists exactly
 committed it. Neither table has a unique key: duplicates would show. The consumers do not say where
 a new group starts: the worker's default (earliest) applies. (Tables: tests/support/worker.py.)
 
-Settings (environment): QMQ_TEST_BROKERS (comma-separated), QMQ_TEST_DB, QMQ_TEST_REDIS,
+Settings (environment): QMQ_TEST_BROKERS (comma-separated) or QMQ_TEST_META, QMQ_TEST_DB, QMQ_TEST_REDIS,
 QMQ_TEST_REDIS_PREFIX, QMQ_TEST_SUBJECT, QMQ_TEST_GROUP, QMQ_TEST_IDEMPOTENT ("", "sql" or "redis"),
 QMQ_TEST_BROADCAST ("1"), QMQ_TEST_MAX_RETRIES, QMQ_TEST_TIME_LIMIT, QMQ_TEST_WORKER (a name to record),
 QMQ_TEST_ALSO (comma-separated subjects the same handler also consumes, as the same group).
@@ -32,9 +32,11 @@ env = os.environ.get
 WORKER = env("QMQ_TEST_WORKER", f"pid-{os.getpid()}")
 IDEMPOTENT = {"": False, "sql": True, "redis": "redis"}[env("QMQ_TEST_IDEMPOTENT", "")]
 
+META = env("QMQ_TEST_META") or None  # a meta server (replicated groups), else the brokers directly
 app = qmq.App(
     "recorder",
-    brokers=env("QMQ_TEST_BROKERS", "127.0.0.1:20881").split(","),
+    meta=META,
+    brokers=None if META else env("QMQ_TEST_BROKERS", "127.0.0.1:20881").split(","),
     db=env("QMQ_TEST_DB"),
     redis=env("QMQ_TEST_REDIS"),
     redis_prefix=env("QMQ_TEST_REDIS_PREFIX", "qmq:"),

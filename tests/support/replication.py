@@ -151,11 +151,12 @@ def admin_failover(meta: str, group: str, old: Broker, new: Broker) -> dict[str,
     return switched
 
 
-def start_group(processes, tmp_path: Path, meta: str, group: str = "g1") -> tuple[Broker, Broker]:
-    """A master (a) and an in-sync replica (b) of `group`, the meta server knowing b in sync."""
-    a = start_member(processes, tmp_path / "a", meta, group, name="a")
+def start_group(processes, tmp_path: Path, meta: str, group: str = "g1", *args: str) -> tuple[Broker, Broker]:
+    """A master (a) and an in-sync replica (b) of `group` (each started with `args`), the meta
+    server knowing b in sync."""
+    a = start_member(processes, tmp_path / "a", meta, group, *args, name="a")
     wait_role(a, "master")
-    b = start_member(processes, tmp_path / "b", meta, group, name="b")
+    b = start_member(processes, tmp_path / "b", meta, group, *args, name="b")
     wait_role(b, "replica")
     wait_in_sync(a, b)
     meta_in_sync(meta, group, b)
