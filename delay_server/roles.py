@@ -69,6 +69,7 @@ class DelayDuty:
         self.service: DelayService | None = None  # a master's or a replica's
         self.on_open: Callable[[DelayService], None] = lambda service: None  # the process's metrics
         self._retiring: asyncio.Task[None] | None = None  # a replica's retention
+        self.in_office: Callable[[], bool] = lambda: True  # set by Roles: whether a master may fire now
 
     def open(self, store: LogStore) -> DelayService:
         """Schedule log, cancels, scheduler and service over `store`, recovered. Blocking."""
@@ -117,8 +118,12 @@ class DelayDuty:
 
     async def open_master(self, store: LogStore, group: str) -> DelayService:
         service = await self._open(store)
+        service.scheduler.in_office = self.in_office
         service.scheduler.start()
         return service
+
+    def set_in_office(self, in_office: Callable[[], bool]) -> None:
+        self.in_office = in_office
 
     async def close_master(self, service: Any) -> None:
         await self._close()

@@ -61,6 +61,7 @@ DEFAULT_LOAD_AHEAD_S = 30 * 60
 DEFAULT_RETENTION_S = 72 * 3600  # delivered buckets are kept this long after they end
 DELIVERY_BATCH = 1024  # messages in one AsyncClient.send call, at most
 DELIVERERS = 8  # send calls in flight at once; each takes whatever is due when it is free (batches grow with load)
+OUT_OF_OFFICE_POLL_S = 0.05  # how often a fenced or handing-off master looks whether it may deliver again
 # Due messages read from their buckets and not yet delivered (held until their millisecond, waiting for
 # a deliverer, or being sent), at most; twice what the deliverers send at once.
 DEFAULT_MAX_HELD = 2 * DELIVERERS * DELIVERY_BATCH
@@ -143,6 +144,11 @@ class Scheduler:
         self._delivering = 0  # deliverers busy sending
         self._sending = 0  # messages those deliverers hold
         self._tasks: list[asyncio.Task[None]] = []
+        # Whether this server may deliver now (a replicated group's master that is not fenced nor
+        # handing off: else a promoted replica may be firing the same messages at the same moment,
+        # and two copies arriving together are both stored, qmq/broker/dedupe.py).
+        self.in_office: Callable[[], bool] = lambda: True
+        self._out_of_office_logged = False
 
     # ---- start and stop ---------------------------------------------------------------------
 
@@ -375,6 +381,7 @@ class Scheduler:
     async def _deliver_loop(self) -> None:
         while True:
             await self._outbox_ready.wait()
+            await self._until_in_office()  # not counted as delivering: `close` need not wait for it
             outbox = self._outbox
             items = [outbox.popleft() for _ in range(min(DELIVERY_BATCH, len(outbox)))]
             if not outbox:
@@ -398,6 +405,23 @@ class Scheduler:
                     self._sending -= len(items)
                     if self.held + len(items) >= self.max_held:  # the fire loop may wait for room
                         self._wake.set()
+
+    async def _until_in_office(self) -> None:
+        """Wait while this master may not deliver: it lost the meta server (fenced) or hands its
+        group over. It is told again (a meta reply) or steps down (`close` cancels the wait: what it
+        held is fired by the next master, or after a restart)."""
+        if self.in_office():
+            return
+        if not self._out_of_office_logged:
+            self._out_of_office_logged = True
+            log.warning(
+                "fenced or handing off: delivering nothing until the meta server answers or a replica takes over"
+            )
+        while not self.in_office():
+            await asyncio.sleep(OUT_OF_OFFICE_POLL_S)  # the fence ends with a meta reply: a matter of time
+        if self._out_of_office_logged:  # one line however many deliverers waited
+            self._out_of_office_logged = False
+            log.info("delivering again")
 
     async def _deliver(self, items: list[tuple[int, int, rec.Record]]) -> None:
         messages = [

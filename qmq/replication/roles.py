@@ -89,7 +89,9 @@ class Duty(Protocol):
     it: a replica of another master copies again). And `set_replicated_upto(upto)`, called once, for
     a server whose state is saved in snapshots that a cut may have to go back past (a broker):
     `upto()` is the offset below which no failover can cut this server's log, as far as it knows,
-    or None (`Roles.replicated_upto`)."""
+    or None (`Roles.replicated_upto`). And `set_in_office(in_office)`, called once, for a server that
+    acts on its own as master (a delay server fires): `in_office()` is false while it may no longer
+    (`Roles.in_office`)."""
 
     kind: str  # "broker", "delay server": the start of each role-change log line
     stats_code: RequestCode  # answered by a server that is not master too
@@ -201,6 +203,8 @@ class Roles:
         self._handing_off_until = 0.0  # a manual failover stops sends until then (monotonic)
         if (set_upto := getattr(duty, "set_replicated_upto", None)) is not None:
             set_upto(self.replicated_upto)
+        if (set_office := getattr(duty, "set_in_office", None)) is not None:
+            set_office(self.in_office)
 
     # ---- the process's view --------------------------------------------------------------------
 
@@ -670,6 +674,11 @@ class Roles:
     def _fenced(self) -> bool:
         fence_at = self.fence_at()
         return fence_at is not None and time.monotonic() > fence_at
+
+    def in_office(self) -> bool:
+        """Whether this server may act for its group now, beyond answering: master, not fenced (a
+        replica may have been promoted since) and not handing off (its replica is about to be)."""
+        return self.role is Role.MASTER and not self._fenced() and time.monotonic() >= self._handing_off_until
 
     def replicated_upto(self) -> int | None:
         """The offset below which no failover can cut this server's log, as far as it knows: as

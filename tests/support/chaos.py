@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +34,16 @@ WRITABLE_WITHIN_S = 10.0
 
 @dataclass
 class Cluster:
-    """The group's two members (the master first), the meta servers and their shared database."""
+    """The group's two members (the master first), the meta servers and their shared database.
+    `group` is the group's name at the meta server ("delay:d1" for a delay-server group), `restart`
+    how a member starts again on its disk."""
 
     processes: Any
     db_url: str
     members: list[Broker]
     metas: list[tuple[Any, int]]
+    group: str = "g1"
+    restart_member: Callable[..., Broker] = restart_broker
     epoch: int = 1
     restarts: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -56,14 +61,14 @@ class Cluster:
 
     def restart(self, member: Broker) -> Broker:
         self.restarts[member.address] += 1
-        return restart_broker(self.processes, member, name=f"{member.port}-back{self.restarts[member.address]}")
+        return self.restart_member(self.processes, member, name=f"{member.port}-back{self.restarts[member.address]}")
 
     def whole_again(self) -> None:
         """Wait until the master (of `epoch`) has its replica in sync and the meta server knows it."""
         wait_role(self.master, "master", epoch=self.epoch)
         wait_role(self.replica, "replica", epoch=self.epoch)
         wait_in_sync(self.master, self.replica)
-        meta_in_sync(self.meta, "g1", self.replica)
+        meta_in_sync(self.meta, self.group, self.replica)
         wait_until(
             lambda: (replication(self.master) or {}).get("writable"),
             f"{self.master.address} to take sends",
@@ -105,7 +110,7 @@ def kill_the_replica(cluster: Cluster) -> None:
 def hand_over(cluster: Cluster) -> None:
     """`qmq admin failover`: the master is switched by hand under load."""
     done = subprocess.run(
-        [sys.executable, "-m", "qmq", "admin", "failover", "--group", "g1", "--json"],
+        [sys.executable, "-m", "qmq", "admin", "failover", "--group", cluster.group, "--json"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -130,11 +135,15 @@ def kill_a_meta_server(cluster: Cluster) -> None:
     cluster.metas[i] = start_meta(cluster.processes, cluster.db_url, port=port, name=f"meta{i + 1}-back")
 
 
+def start_metas(processes, db_url: str) -> list[tuple[Any, int]]:
+    """Two meta servers sharing `db_url`."""
+    return [start_meta(processes, db_url, name=f"meta{i}") for i in (1, 2)]
+
+
 def start_cluster(processes, tmp_path, db_url: str, *member_args: str) -> Cluster:
-    """Two meta servers on `db_url` and a group g1 of two members (with `member_args`), the first
-    master."""
-    metas = [start_meta(processes, db_url, name=f"meta{i}") for i in (1, 2)]
-    cluster = Cluster(processes, db_url, [], metas)
+    """Two meta servers on `db_url` and a broker group g1 of two members (with `member_args`), the
+    first master."""
+    cluster = Cluster(processes, db_url, [], start_metas(processes, db_url))
     cluster.members = list(start_group(processes, tmp_path, cluster.meta, "g1", *member_args))
     return cluster
 
