@@ -4,12 +4,14 @@ index that answers is the one rebuilt from disk."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 
 from qmq.client.messages import ForwardedMessage
 from qmq.ids import new_id
+from qmq.net.aio_client import AsyncConnection
 from qmq.protocol.codes import RequestCode
-from tests.support.broker import RawConsumer, restart_broker, start_broker
+from tests.support.broker import HOST, RawConsumer, restart_broker, start_broker
 
 SUBJECT = "dedupe.orders"
 
@@ -54,3 +56,22 @@ def test_a_refired_delay_delivery_is_stored_once_and_an_unmarked_send_is_not_loo
             consumer.ack(batch)
         expected = [m["id"] for m in fired] + [fired[1]["id"], fresh["id"]]
         assert sorted(got) == sorted(expected)  # each fired id once, the unmarked copy once more
+
+
+def test_copies_arriving_together_are_stored_once(processes, tmp_path) -> None:
+    """Two copies in one send, or in two sends the broker reads in the same moment (neither is in the
+    key index yet): the second waits for the first and is answered as stored, not stored again."""
+    broker = start_broker(processes, tmp_path / "b")
+    fired = [ForwardedMessage(SUBJECT, payload=b"p%d" % i, id=new_id()).to_wire() for i in range(50)]
+
+    async def twice_at_once() -> list[dict]:
+        async with await AsyncConnection.open(HOST, broker.port, client_id="dedupe-test", token="") as conn:
+            return list(
+                await asyncio.gather(*(conn.request(RequestCode.BROKER_SEND, {"messages": fired}) for _ in range(2)))
+            )
+
+    with broker.connect() as conn:
+        assert _send(conn, [fired[0], fired[0]]) == {"stored": 2, "rejected": []}  # both answered stored
+        assert _stored(conn) == 1
+        assert asyncio.run(twice_at_once()) == [{"stored": 50, "rejected": []}] * 2
+        assert _stored(conn) == 50

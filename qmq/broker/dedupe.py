@@ -5,10 +5,12 @@ BROKER_SEND, `ForwardedMessage`); a marked message whose id this broker already 
 subject is answered as stored and not stored again, so consumers see it once.
 
 The window is what the key index covers: the message log's retention (72 h by default), far longer
-than any re-fire takes. Two copies in flight at the same moment are both stored (neither is in the
-index yet); a re-fire comes seconds later, since a delay master that may have been replaced (fenced,
-or handing over) fires nothing (delay_server/scheduler.py, `in_office`). Unmarked sends (producers,
-the relay) are not looked up: the hot path pays nothing.
+than any re-fire takes. Copies arriving in the same moment (neither in the index yet: two in one
+send, or two sends read together) are stored once too: the broker knows which marked messages it is
+storing, and a copy of one waits for that send's outcome (qmq/broker/sending.py). A re-fire usually
+comes seconds later anyway, since a delay master that may have been replaced (fenced, or handing
+over) fires nothing (delay_server/scheduler.py, `in_office`). Unmarked sends (producers, the relay)
+are not looked up: the hot path pays nothing.
 """
 
 from __future__ import annotations
