@@ -11,14 +11,12 @@ CI runs each fault once; `pytest -m soak tests/test_delay_chaos.py` runs twenty 
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import threading
 import time
 
 import pytest
 
-from qmq.client import Client, OutgoingMessage
+from qmq.client import Client, OutgoingMessage, SendResult
 from tests.support import chaos
 from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
@@ -34,38 +32,23 @@ EARLY_SLACK_MS = 5  # clocks read in different processes
 SOAK_ROUNDS = 20
 
 
-class Scheduler(threading.Thread):
-    """Schedules batches until stopped, a failed message again (same id, same due time) until the
-    delay server acknowledged it. `due` holds the due time (ms) of every acknowledged one."""
+class Scheduler(chaos.Sender):
+    """Schedules until stopped; `due` holds the due time (ms) of every acknowledged message."""
 
     def __init__(self, meta: str) -> None:
-        super().__init__(daemon=True, name="chaos-scheduler")
-        self.client = Client(meta=meta, client_id="chaos-scheduler")
-        self.stopping = threading.Event()
+        super().__init__(meta, "chaos-scheduler")
         self.due: dict[str, int] = {}
-        self.error: BaseException | None = None
 
-    def run(self) -> None:
-        n = 0
-        try:
-            while not self.stopping.is_set():
-                now_ms = time.time_ns() // 1_000_000
-                batch = [
-                    OutgoingMessage(SUBJECT, {"n": i}, deliver_at=now_ms + int(random.uniform(*DUE_S) * 1000))
-                    for i in range(n, n + BATCH)
-                ]
-                n += BATCH
-                while batch:
-                    results = self.client.send(batch)
-                    for message, result in zip(batch, results, strict=True):
-                        if result.ok:
-                            self.due[message.id] = message.deliver_at
-                    again = {r.message_id for r in results if not r.ok}
-                    batch = [m for m in batch if m.id in again]
-        except BaseException as exc:  # reported by the test
-            self.error = exc
-        finally:
-            self.client.close()
+    def batch(self, n: int) -> list[OutgoingMessage]:
+        now_ms = time.time_ns() // 1_000_000
+        return [
+            OutgoingMessage(SUBJECT, {"n": i}, deliver_at=now_ms + int(random.uniform(*DUE_S) * 1000))
+            for i in range(n, n + BATCH)
+        ]
+
+    def on_result(self, message: OutgoingMessage, result: SendResult) -> None:
+        if result.ok:
+            self.due[message.id] = message.deliver_at
 
 
 def start_delay_cluster(processes, tmp_path, db_url: str) -> chaos.Cluster:
@@ -133,8 +116,4 @@ def test_each_fault_of_a_delay_group_delivers_every_message_once_never_early(pro
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
 def test_random_faults_of_a_delay_group_deliver_every_message_once_never_early(processes, tmp_path, pg_url) -> None:
-    seed = int(os.environ.get("QMQ_CHAOS_SEED") or random.randrange(1 << 32))
-    print(f"QMQ_CHAOS_SEED={seed}")
-    chooser = random.Random(seed)
-    random.seed(seed)
-    faults_in_a_row(processes, tmp_path, pg_url, [chooser.choice(chaos.FAULTS) for _ in range(SOAK_ROUNDS)])
+    faults_in_a_row(processes, tmp_path, pg_url, chaos.drawn(chaos.FAULTS, SOAK_ROUNDS))

@@ -14,7 +14,6 @@ CI runs each fault once; `pytest -m soak tests/test_pipeline_chaos.py` runs twen
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import signal
 import threading
@@ -180,8 +179,4 @@ def test_each_fault_on_the_whole_path_leaves_every_order_handled_once(processes,
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
 def test_random_faults_on_the_whole_path_leave_every_order_handled_once(processes, tmp_path, pg_url) -> None:
-    seed = int(os.environ.get("QMQ_CHAOS_SEED") or random.randrange(1 << 32))
-    print(f"QMQ_CHAOS_SEED={seed}")
-    chooser = random.Random(seed)
-    random.seed(seed)  # which meta server or worker a fault picks
-    faults_in_a_row(processes, tmp_path, pg_url, [chooser.choice(FAULTS) for _ in range(SOAK_ROUNDS)])
+    faults_in_a_row(processes, tmp_path, pg_url, chaos.drawn(FAULTS, SOAK_ROUNDS))

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import random
 import signal
 import threading
 import time
 
 import pytest
 
-from qmq.client import Client, OutgoingMessage
-from tests.support.chaos import FAULTS, start_cluster
+from qmq.client import Client, OutgoingMessage, SendResult
+from tests.support import chaos
 from tests.support.databases import fresh_database
 from tests.support.replication import replication, wait_for
 from tests.support.stores import assert_log_verifies
@@ -35,38 +33,28 @@ DRAIN_TIMEOUT_S = 120.0
 SOAK_ROUNDS = 25
 
 
-class Producer(threading.Thread):
-    """Sends batches until stopped; a batch's failed messages are sent again with the same ids until
-    acknowledged. `acked` holds what a broker acknowledged; `failed` counts results that were not."""
+class Producer(chaos.Sender):
+    """Sends until stopped. `acked` holds what a broker acknowledged; `failed` counts results that
+    were not, by code."""
 
     def __init__(self, meta: str) -> None:
-        super().__init__(daemon=True, name="chaos-producer")
-        self.client = Client(meta=meta, client_id="chaos-producer")
-        self.stopping = threading.Event()
+        super().__init__(meta, "chaos-producer")
         self.sent: set[str] = set()
         self.acked: list[str] = []
         self.failed = collections.Counter[int]()
         self.last_failure = ""
-        self.error: BaseException | None = None
 
-    def run(self) -> None:
-        n = 0
-        try:
-            while not self.stopping.is_set():
-                batch = [OutgoingMessage(SUBJECT, f"m{i}", key=str(i)) for i in range(n, n + BATCH)]
-                n += BATCH
-                self.sent.update(m.id for m in batch)
-                while batch:
-                    results = self.client.send(batch)
-                    self.acked.extend(r.message_id for r in results if r.ok)
-                    self.failed.update(r.error_code for r in results if not r.ok)
-                    self.last_failure = next((r.error for r in results if not r.ok), self.last_failure)
-                    again = {r.message_id for r in results if not r.ok}
-                    batch = [m for m in batch if m.id in again]
-        except BaseException as exc:  # reported by the test
-            self.error = exc
-        finally:
-            self.client.close()
+    def batch(self, n: int) -> list[OutgoingMessage]:
+        batch = [OutgoingMessage(SUBJECT, f"m{i}", key=str(i)) for i in range(n, n + BATCH)]
+        self.sent.update(m.id for m in batch)
+        return batch
+
+    def on_result(self, message: OutgoingMessage, result: SendResult) -> None:
+        if result.ok:
+            self.acked.append(result.message_id)
+        else:
+            self.failed[result.error_code] += 1
+            self.last_failure = result.error or ""
 
 
 class Consumer(threading.Thread):
@@ -98,7 +86,7 @@ class Consumer(threading.Thread):
 
 def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
     with fresh_database(pg_url) as url, contextlib.ExitStack() as stack:
-        cluster = start_cluster(processes, tmp_path, url)
+        cluster = chaos.start_cluster(processes, tmp_path, url)
         producer, consumer = Producer(cluster.meta), Consumer(cluster.meta)
         producer.start()
         consumer.start()
@@ -144,14 +132,10 @@ def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
 
 
 def test_each_fault_under_a_running_producer_and_consumer_loses_nothing(processes, tmp_path, pg_url) -> None:
-    faults_in_a_row(processes, tmp_path, pg_url, FAULTS)
+    faults_in_a_row(processes, tmp_path, pg_url, chaos.FAULTS)
 
 
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
 def test_random_faults_under_a_running_producer_and_consumer_lose_nothing(processes, tmp_path, pg_url) -> None:
-    seed = int(os.environ.get("QMQ_CHAOS_SEED") or random.randrange(1 << 32))
-    print(f"QMQ_CHAOS_SEED={seed}")
-    chooser = random.Random(seed)
-    random.seed(seed)  # the meta server each kill_a_meta_server picks
-    faults_in_a_row(processes, tmp_path, pg_url, [chooser.choice(FAULTS) for _ in range(SOAK_ROUNDS)])
+    faults_in_a_row(processes, tmp_path, pg_url, chaos.drawn(chaos.FAULTS, SOAK_ROUNDS))

@@ -12,10 +12,12 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from qmq.client import Client, OutgoingMessage, SendResult
 from tests.support.broker import Broker, restart_broker
 from tests.support.replication import (
     HOST,
@@ -151,3 +153,47 @@ def start_cluster(processes, tmp_path, db_url: str, *member_args: str) -> Cluste
 # In CI's order a hand-over comes right before a failover back to the member that handed over: it
 # was refused sends for a minute after such a failover (a hand-over's hold outlived its term).
 FAULTS = (hand_over, kill_the_master, freeze_the_master, kill_the_replica, kill_a_meta_server)
+
+
+def drawn(faults: Sequence[Callable[..., None]], rounds: int) -> list[Callable[..., None]]:
+    """`rounds` faults drawn at random for a soak run, by a seed that is printed (`QMQ_CHAOS_SEED`
+    repeats a draw); the same seed also makes the faults' own random choices."""
+    seed = int(os.environ.get("QMQ_CHAOS_SEED") or random.randrange(1 << 32))
+    print(f"QMQ_CHAOS_SEED={seed}")
+    chooser = random.Random(seed)
+    random.seed(seed)  # which meta server, or worker, a fault picks
+    return [chooser.choice(faults) for _ in range(rounds)]
+
+
+class Sender(threading.Thread):
+    """Sends batches (`batch(n)`: messages numbered from n) through a plain `Client` until stopped; a
+    message that failed is sent again, with the same id, until acknowledged. Each result goes to
+    `on_result`; an exception ends it and is kept in `error` for the test."""
+
+    def __init__(self, meta: str, name: str) -> None:
+        super().__init__(daemon=True, name=name)
+        self.client = Client(meta=meta, client_id=name)
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def batch(self, n: int) -> list[OutgoingMessage]:
+        raise NotImplementedError
+
+    def on_result(self, message: OutgoingMessage, result: SendResult) -> None:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        n = 0
+        try:
+            while not self.stopping.is_set():
+                batch = self.batch(n)
+                n += len(batch)
+                while batch:
+                    results = self.client.send(batch)
+                    for message, result in zip(batch, results, strict=True):
+                        self.on_result(message, result)
+                    batch = [m for m, r in zip(batch, results, strict=True) if not r.ok]
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            self.client.close()
