@@ -67,6 +67,8 @@ class Application(threading.Thread):
 
 @dataclass
 class Pipeline:
+    """The replicated group, and the workers (by name) and the relay that run on it."""
+
     cluster: chaos.Cluster
     processes: Any
     db_url: str

@@ -1,7 +1,8 @@
-"""Faults for a replicated broker group under load (tests/test_replication_chaos.py,
-tests/test_pipeline_chaos.py): a group of two members under two meta servers on one database, and
-what can happen to it, each fault a function that leaves `Cluster` naming who is master now.
-`Cluster.whole_again` waits until the group is whole and takes sends again."""
+"""Faults for a replicated group under load (tests/test_replication_chaos.py,
+tests/test_pipeline_chaos.py, tests/test_delay_chaos.py): a group of two members (brokers, or delay
+servers) under two meta servers on one database, and what can happen to it, each fault a function
+that leaves `Cluster` naming who is master now. `Cluster.whole_again` waits until the group is whole
+and takes sends again; `Sender` is the load, `drawn` a soak run's faults."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ WRITABLE_WITHIN_S = 10.0
 @dataclass
 class Cluster:
     """The group's two members (the master first), the meta servers and their shared database.
-    `group` is the group's name at the meta server ("delay:d1" for a delay-server group), `restart`
-    how a member starts again on its disk."""
+    `group` is the group's name at the meta server ("delay:d1" for a delay-server group),
+    `restart_member` how a member starts again on its disk."""
 
     processes: Any
     db_url: str
