@@ -44,6 +44,7 @@ SUBJECT = "delay.repl.reminders"
 BATCH = 500
 SPREAD_S = 12.0  # due times spread evenly over this window
 LEAD_S = 6.0 + MESSAGES / 1500  # the first is due this long after sending starts: every message is pending first
+FROZEN_DUE_S = 10  # ahead of the freeze: time to fail over and cancel before it is due
 SLACK_S = float(os.environ.get("QMQ_DELAY_REPL_SLACK_S", "3.0"))  # lateness of a healthy delay server here
 
 
@@ -247,3 +248,45 @@ def meta_silent(meta: str, address: str) -> bool:
     listing = meta_request(meta, RequestCode.META_LIST, {})["replication"]
     members = [m for g in listing for m in g["members"]]
     return any(m["address"] == address and m["reported_s_ago"] > FAILOVER_AFTER_S for m in members)
+
+
+def test_a_frozen_master_woken_fires_nothing_a_new_master_took_over(processes, tmp_path, meta) -> None:
+    """A master frozen (SIGSTOP) while a replica was promoted, and a message cancelled at the new
+    master meanwhile: woken after that message came due, the old master must not fire it (nor any
+    other). Fenced (no meta reply for `failover_after / 2`), it delivers nothing until it hears it was
+    deposed (`Roles.in_office`); it used to fire at once whatever came due while it slept."""
+    start_broker(processes, tmp_path / "broker", "--meta", meta, "--group", "b1")
+    a, b = start_group(processes, tmp_path, meta)
+    c = start_member(processes, tmp_path / "c", meta, "c")  # so a promoted replica has a replica: writable
+    wait_role(c, "replica")
+    wait_in_sync(a, c)
+    meta_in_sync(meta, "delay:d1", c)
+    consumer = Arrivals(Client(meta=meta), SUBJECT)
+    due_ms = int(time.time() * 1000) + FROZEN_DUE_S * 1000
+    keep = OutgoingMessage(SUBJECT, {"n": "keep"}, deliver_at=due_ms)
+    drop = OutgoingMessage(SUBJECT, {"n": "drop"}, deliver_at=due_ms)
+    with Client(meta=meta) as producer:
+        send_all(producer, [keep, drop])
+    os.killpg(a.proc.pid, signal.SIGSTOP)
+    try:
+
+        def new_master():
+            for member in (b, c):
+                stats = replication(member)
+                if stats and stats["role"] == "master" and stats.get("writable"):
+                    return member
+            return None
+
+        wait_for(new_master, "a replica to take office and take cancels", FROZEN_DUE_S)
+        with Client(meta=meta) as client:  # a new client: its route names the new master
+            assert client.cancel([drop.id]) == {drop.id: "cancelled"}
+        while time.time() * 1000 < due_ms + 500:  # both came due while a slept
+            time.sleep(0.05)
+    finally:
+        os.killpg(a.proc.pid, signal.SIGCONT)
+    wait_role(a, "replica", epoch=2)
+    assert not consumer.wait_for({keep.id}, 30)  # the new master fires it
+    time.sleep(1.0)  # a copy, or the cancelled message, fired by a as it woke would arrive within this
+    consumer.close()
+    assert drop.id not in consumer.received, "the woken old master fired a message cancelled at the new one"
+    assert len(consumer.received[keep.id]) == 1
