@@ -62,7 +62,10 @@ def lock_queues(
 ) -> Steps[QueueLocks]:
     """Ask every broker group of the ordered `subject` for the leases of queues `wanted` (renewing
     those held) and give back `release`; `leave` says this consumer is going away. Brokers that fail
-    are named in `unanswered` and count for nothing. `ClientCore.lock_queues` is this loop."""
+    are named in `unanswered` and count for nothing, and the route is asked for again next time (a
+    failover moved a group's master: a worker that held no queue pulled nothing that would have told
+    it, and kept asking the old address until the route expired). `ClientCore.lock_queues` is this
+    loop."""
     route = yield from client._routes.lookup(subject)
     body = {
         "subject": subject,
@@ -93,6 +96,8 @@ def lock_queues(
         for q, keys in reply.get("stopped") or ():
             locks.stopped.setdefault(int(q), set()).update(str(k) for k in keys)
         locks.lease_s = max(locks.lease_s, float(reply.get("lease_s") or 0.0))
+    if locks.unanswered:
+        client._routes.invalidate([subject])
     locks.held = held or set()
     locks.members = sorted(members)
     return locks
