@@ -4,6 +4,8 @@
     .venv/bin/python bench/outbox.py            # every case
     .venv/bin/python bench/outbox.py tx         # business transactions/s, 8 threads, with and without a send
                                                 # (alternating rounds; CPU µs per transaction too)
+    .venv/bin/python bench/outbox.py tx --ship none   # the same with the outbox row written and nothing
+                                                # shipped: the floor under any way of shipping
     .venv/bin/python bench/outbox.py latency    # commit to stored on the broker, after-commit path: p50/p99
     .venv/bin/python bench/outbox.py drain      # the relay draining 1,000,000 pending rows
 
@@ -35,6 +37,7 @@ import qmq
 from qmq.client.blocking import Client
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
+from qmq.outbox.rows import insert_on_connection
 from qmq.outbox.schema import outbox
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,11 +71,15 @@ class Database:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 
 
-def transactions(threads: int, seconds: float, with_send: bool) -> tuple[float, dict[str, float]]:
+def transactions(
+    threads: int, seconds: float, with_send: bool, ship: str = "after-commit"
+) -> tuple[float, dict[str, float]]:
     """Business transactions per second: each inserts one order (and sends one message); and the CPU
     each party spent per transaction (µs: this process, i.e. the application threads and the
     after-commit sender; PostgreSQL's backends of its database; the broker), which the load of a
-    shared machine moves less than the rate."""
+    shared machine moves less than the rate. `ship` "none": the message's outbox row is written with
+    the producer's own values and INSERT, and nothing else happens (no sender, no NOTIFY, no relay):
+    what the row alone costs, which no way of shipping it can go below."""
     db = Database()
     broker = BrokerProcess("sync")
     producer = qmq.Producer(brokers=[f"127.0.0.1:{broker.port}"], engine=db.engine)
@@ -86,7 +93,10 @@ def transactions(threads: int, seconds: float, with_send: bool) -> tuple[float, 
         with lock:
             order_id = next(counter)
         session.execute(orders.insert().values(id=order_id, customer="c", amount=42))
-        if with_send:
+        if with_send and ship == "none":
+            values, _ = producer._prepare("order.created", BODY, str(order_id), (), None, None, None)
+            insert_on_connection(session.connection(), values, None, 0.0)
+        elif with_send:
             producer.send("order.created", BODY, key=str(order_id))
 
     def run(i: int) -> None:
@@ -254,6 +264,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="tx case: rounds of without/with")
+    parser.add_argument(
+        "--ship",
+        choices=["after-commit", "none"],
+        default="after-commit",
+        help="tx case: how a message is shipped; none: its row is written and nothing more (the floor)",
+    )
     parser.add_argument("--rate", type=float, default=500.0, help="transactions/s for the latency case")
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=1000)
@@ -270,16 +286,20 @@ def main() -> None:
         losses = []
         for n in range(args.rounds):
             order = (False, True) if n % 2 == 0 else (True, False)
-            figures = {with_send: transactions(args.threads, args.seconds, with_send) for with_send in order}
+            figures = {with_send: transactions(args.threads, args.seconds, with_send, args.ship) for with_send in order}
             (plain, plain_cpu), (outboxed, outboxed_cpu) = figures[False], figures[True]
             losses.append((1 - outboxed / plain) * 100)
             print(
-                f"tx round {n + 1}: {args.threads} threads: without send {plain:,.0f} tx/s ({cpu_text(plain_cpu)}), "
+                f"tx round {n + 1} (ship {args.ship}): {args.threads} threads: "
+                f"without send {plain:,.0f} tx/s ({cpu_text(plain_cpu)}), "
                 f"with send {outboxed:,.0f} tx/s ({cpu_text(outboxed_cpu)}): {losses[-1]:.1f}% fewer; "
                 f"load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-        print(f"tx: median of {args.rounds} rounds {statistics.median(losses):.1f}% fewer (target <= 20%)")
+        print(
+            f"tx (ship {args.ship}): median of {args.rounds} rounds {statistics.median(losses):.1f}% fewer "
+            "(target <= 20%)"
+        )
     if args.case in (None, "latency"):
         p50, p99, missing = commit_to_stored(args.rate, args.seconds)
         print(
