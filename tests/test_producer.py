@@ -20,7 +20,7 @@ from qmq.client.errors import InvalidMessage
 from qmq.db.engine import create_engine
 from qmq.db.migrate import upgrade
 from qmq.outbox import rows
-from tests.support.databases import fresh_database, sqlite_or_postgres
+from tests.support.databases import fresh_database, set_connections_allowed, sqlite_or_postgres
 from tests.support.delay import start_delay_server
 from tests.support.outbox import committed_ids, consume, outbox_rows, states
 from tests.support.processes import free_port
@@ -343,6 +343,34 @@ def test_a_transaction_given_to_send_commits_or_rolls_back_with_it(pg_producer, 
     assert delivered_ids(broker, "order.created", 2) == sorted([in_session, in_connection])
     assert states(pg_engine) == {in_session: "sent", in_connection: "sent"}  # by the sender, not left for a relay
     assert order_count(pg_engine) == 2
+
+
+def test_a_database_that_went_away_fails_the_transaction_with_its_own_error(pg_producer, pg_engine, broker) -> None:
+    """The application sees the OperationalError of the lost connection, as without qmq, and the next
+    transaction works once the database is back. (The connection's rollback event asked the
+    invalidated connection for its `info`: SQLAlchemy raised PendingRollbackError inside the
+    application's rollback instead.)"""
+    url = pg_engine.url.render_as_string(hide_password=False).replace("+psycopg", "")
+
+    def cut_off() -> None:
+        with pg_engine.begin() as conn:
+            conn.execute(orders.insert().values(id=1, item="book"))
+            pg_producer.send("order.created", {"id": 1}, connection=conn)
+            set_connections_allowed(url, False)
+            conn.execute(orders.insert().values(id=2, item="book"))
+
+    try:
+        error = attempt(cut_off)
+    finally:
+        set_connections_allowed(url, True)
+    assert isinstance(error, sa.exc.OperationalError), repr(error)
+    assert error.connection_invalidated
+    with pg_engine.begin() as conn:
+        conn.execute(orders.insert().values(id=3, item="book"))
+        kept = pg_producer.send("order.created", {"id": 3}, connection=conn)
+    assert pg_producer.flush(10)
+    assert delivered_ids(broker, "order.created", 1) == [kept]
+    assert order_count(pg_engine) == 1
 
 
 def test_a_decorated_function_joins_the_transaction_its_caller_has_open(pg_producer, pg_engine, broker) -> None:

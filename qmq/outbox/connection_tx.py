@@ -48,13 +48,20 @@ def watch(engine: sa.Engine) -> None:
     sa.event.listen(engine, "checkin", _checked_in)
 
 
+def _info(connection: sa.Connection) -> dict:
+    """The connection's `info`; empty once the connection was invalidated (the database went away):
+    what waited there went with its DB-API connection, and asking for it would raise (inside the
+    application's rollback, hiding the error that caused it) or reconnect."""
+    return {} if connection.invalidated else connection.info
+
+
 def _began(connection: sa.Connection) -> None:
-    _hand_over(connection.info)
+    _hand_over(_info(connection))
     open_transactions.push(connection)
 
 
 def _committing(connection: sa.Connection) -> None:
-    info = connection.info
+    info = _info(connection)
     info.pop(NOTIFIED, None)
     waiting = info.pop(PENDING, None)
     if waiting:
@@ -63,8 +70,9 @@ def _committing(connection: sa.Connection) -> None:
 
 
 def _rolled_back(connection: sa.Connection) -> None:
-    connection.info.pop(PENDING, None)
-    connection.info.pop(NOTIFIED, None)
+    info = _info(connection)
+    info.pop(PENDING, None)
+    info.pop(NOTIFIED, None)
     open_transactions.remove(connection)
 
 
