@@ -4,9 +4,11 @@ transaction, the after-commit sender); a `qmq relay` ships what the sender left;
 processes handle each message with SQL idempotency, the effect written in the handler's transaction
 (tests/apps/recorder.py). The broker group is replicated under two meta servers
 (tests/support/chaos.py), and besides its faults a worker and the relay are SIGKILLed and started
-again. Promised (docs/outbox.md, docs/worker.md): every committed order's message is handled
-exactly once (one `worker_handled` row), nothing is handled that was not committed, and every
-outbox row ends sent.
+again, and the application's database goes away for a few seconds (every connection killed, none
+taken: to its clients a PostgreSQL restart). Promised (docs/outbox.md, docs/worker.md): every
+committed order's message is handled exactly once (one `worker_handled` row), nothing is handled
+that was not committed, and every outbox row ends sent. What committed is what the database holds:
+a transaction cut off by the outage may have committed without its caller knowing.
 
 CI runs each fault once; `pytest -m soak tests/test_pipeline_chaos.py` runs twenty drawn at random
 (`QMQ_CHAOS_SEED` repeats a draw)."""
@@ -28,6 +30,7 @@ import sqlalchemy as sa
 import qmq
 from tests.support import chaos
 from tests.support.broker import ROOT
+from tests.support.databases import fresh_database, set_connections_allowed
 from tests.support.outbox import relay_args, states
 from tests.support.replication import wait_for
 from tests.support.worker import app_database, handled, handled_count, start_worker
@@ -40,27 +43,40 @@ SOAK_ROUNDS = 20
 # The broker holds a killed worker's messages this long before it gives them to another (60 s by
 # default): the drain at the end must not wait a minute.
 CONSUMER_TIMEOUT_S = 6
+DATABASE_OUTAGE_S = 3.0  # how long the database stays away
+# The handler's retries (0.2 s doubling) must outlast an outage, or its messages would go dead.
+WORKER_MAX_RETRIES = "20"
+RETRY_PAUSE_S = 0.05  # an application thread whose transaction failed tries a new one after this
 
 
 class Application(threading.Thread):
-    """Commits orders until stopped: each transaction inserts an order and sends its message."""
+    """Commits orders until stopped: each transaction sends an order's message and inserts the order
+    with the message's id. A transaction the database refused (it went away) is not retried: the
+    next order is tried in a new one."""
 
     def __init__(self, producer: qmq.Producer, engine: sa.Engine, first: int) -> None:
         super().__init__(daemon=True, name=f"app-{first}")
         self.producer, self.engine = producer, engine
         self.next_order = first
         self.stopping = threading.Event()
-        self.committed: set[str] = set()
+        self.committed: set[str] = set()  # the commit returned
+        self.refused = 0  # transactions the database refused or cut off
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
-                with self.engine.begin() as conn:
-                    conn.execute(sa.text("INSERT INTO chaos_orders (id) VALUES (:id)"), {"id": self.next_order})
-                    message_id = self.producer.send(SUBJECT, {"order": self.next_order}, connection=conn)
-                self.committed.add(message_id)
+                order = self.next_order
                 self.next_order += APP_THREADS
+                try:
+                    with self.engine.begin() as conn:
+                        message_id = self.producer.send(SUBJECT, {"order": order}, connection=conn)
+                        conn.execute(ORDER_INSERT, {"id": order, "message_id": message_id})
+                except sa.exc.OperationalError:
+                    self.refused += 1
+                    self.stopping.wait(RETRY_PAUSE_S)
+                    continue
+                self.committed.add(message_id)
         except BaseException as exc:  # reported by the test
             self.error = exc
 
@@ -82,7 +98,11 @@ class Pipeline:
             [],
             self.db_url,
             name=name,
-            env={"QMQ_TEST_META": self.cluster.meta, "QMQ_TEST_IDEMPOTENT": "sql"},
+            env={
+                "QMQ_TEST_META": self.cluster.meta,
+                "QMQ_TEST_IDEMPOTENT": "sql",
+                "QMQ_TEST_MAX_RETRIES": WORKER_MAX_RETRIES,
+            },
         )
 
     def start_relay(self) -> None:
@@ -117,19 +137,38 @@ def kill_the_relay(pipeline: Pipeline) -> None:
     pipeline.start_relay()
 
 
-FAULTS = (*map(on_the_group, chaos.FAULTS), kill_a_worker, kill_the_relay)
+def the_database_goes_away(pipeline: Pipeline) -> None:
+    """The application's database kills every connection and takes none for DATABASE_OUTAGE_S: the
+    application's transactions fail, the after-commit sender leaves its rows to the relay, the relay
+    and the workers' handlers wait for it (the meta servers have a database of their own)."""
+    set_connections_allowed(pipeline.db_url, False)
+    try:
+        time.sleep(DATABASE_OUTAGE_S)  # the outage itself: nothing to wait for
+    finally:
+        set_connections_allowed(pipeline.db_url, True)
+
+
+FAULTS = (*map(on_the_group, chaos.FAULTS), kill_a_worker, kill_the_relay, the_database_goes_away)
+ORDER_INSERT = sa.text("INSERT INTO chaos_orders (id, message_id) VALUES (:id, :message_id)")
+
+
+def committed_orders(engine: sa.Engine) -> set[str]:
+    """The message ids of the orders the database holds: what committed."""
+    with engine.connect() as conn:
+        return set(conn.execute(sa.text("SELECT message_id FROM chaos_orders")).scalars())
 
 
 def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
     with (
         app_database(pg_url) as db_url,
+        fresh_database(pg_url) as meta_db_url,
         contextlib.ExitStack() as stack,
     ):
         engine = sa.create_engine(db_url.replace("postgresql://", "postgresql+psycopg://"), pool_size=APP_THREADS + 2)
         stack.callback(engine.dispose)
         with engine.begin() as conn:
-            conn.execute(sa.text("CREATE TABLE chaos_orders (id BIGINT PRIMARY KEY)"))
-        cluster = chaos.start_cluster(processes, tmp_path, db_url, "--consumer-timeout", str(CONSUMER_TIMEOUT_S))
+            conn.execute(sa.text("CREATE TABLE chaos_orders (id BIGINT PRIMARY KEY, message_id TEXT NOT NULL)"))
+        cluster = chaos.start_cluster(processes, tmp_path, meta_db_url, "--consumer-timeout", str(CONSUMER_TIMEOUT_S))
         pipeline = Pipeline(cluster, processes, db_url)
         for name in ("w1", "w2"):
             pipeline.start_worker(name)
@@ -159,7 +198,9 @@ def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
             app.stopping.set()
             app.join(timeout=60)
             assert not app.is_alive() and app.error is None, app.error
-        committed = set().union(*(app.committed for app in apps))
+        committed = committed_orders(engine)
+        returned = set().union(*(app.committed for app in apps))
+        assert returned <= committed, f"{len(returned - committed)} commits that returned are not in the database"
 
         def all_handled() -> bool:
             return {row[0] for row in handled(db_url)} >= committed
@@ -171,7 +212,8 @@ def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
         assert set(effects) <= committed, f"{len(set(effects) - committed)} handled messages were never committed"
         unsent = {m: s for m, s in states(engine).items() if s != "sent"}
         assert not unsent, f"{len(unsent)} outbox rows not sent: {list(unsent.items())[:5]}"
-        print(f"{len(faults)} faults: {len(committed):,} orders committed, each handled once")
+        refused = sum(app.refused for app in apps)
+        print(f"{len(faults)} faults: {len(committed):,} orders committed, each handled once ({refused} refused)")
 
 
 def test_each_fault_on_the_whole_path_leaves_every_order_handled_once(processes, tmp_path, pg_url) -> None:
