@@ -2,7 +2,8 @@
 threads commit orders, each with a message, through `qmq.Producer` (the outbox row in the order's
 transaction, the after-commit sender); a `qmq relay` ships what the sender left; two `qmq worker`
 processes handle each message with SQL idempotency, the effect written in the handler's transaction
-(tests/apps/recorder.py). The broker group is replicated under two meta servers
+(tests/apps/recorder.py); one order in ten fails its first handling and is retried through the
+broker, so retries are pending at every fault. The broker group is replicated under two meta servers
 (tests/support/chaos.py), and besides its faults a worker and the relay are SIGKILLed and started
 again, and the application's database goes away for a few seconds (every connection killed, none
 taken: to its clients a PostgreSQL restart). Promised (docs/outbox.md, docs/worker.md): every
@@ -47,12 +48,15 @@ DATABASE_OUTAGE_S = 3.0  # how long the database stays away
 # The handler's retries (0.2 s doubling) must outlast an outage, or its messages would go dead.
 WORKER_MAX_RETRIES = "20"
 RETRY_PAUSE_S = 0.05  # an application thread whose transaction failed tries a new one after this
+# One order in this many fails its first handling: a retry through the broker is pending at any moment,
+# and every fault meets some.
+FAILING_EVERY = 10
 
 
 class Application(threading.Thread):
-    """Commits orders until stopped: each transaction sends an order's message and inserts the order
-    with the message's id. A transaction the database refused (it went away) is not retried: the
-    next order is tried in a new one."""
+    """Commits orders until stopped: each transaction sends an order's message (one in FAILING_EVERY
+    fails its first handling) and inserts the order with the message's id. A transaction the
+    database refused (it went away) is not retried: the next order is tried in a new one."""
 
     def __init__(self, producer: qmq.Producer, engine: sa.Engine, first: int) -> None:
         super().__init__(daemon=True, name=f"app-{first}")
@@ -70,7 +74,8 @@ class Application(threading.Thread):
                 self.next_order += APP_THREADS
                 try:
                     with self.engine.begin() as conn:
-                        message_id = self.producer.send(SUBJECT, {"order": order}, connection=conn)
+                        body = {"order": order, "fail_times": 1 if order % FAILING_EVERY == 0 else 0}
+                        message_id = self.producer.send(SUBJECT, body, connection=conn)
                         conn.execute(ORDER_INSERT, {"id": order, "message_id": message_id})
                 except sa.exc.OperationalError:
                     self.refused += 1
@@ -152,10 +157,12 @@ FAULTS = (*map(on_the_group, chaos.FAULTS), kill_a_worker, kill_the_relay, the_d
 ORDER_INSERT = sa.text("INSERT INTO chaos_orders (id, message_id) VALUES (:id, :message_id)")
 
 
-def committed_orders(engine: sa.Engine) -> set[str]:
-    """The message ids of the orders the database holds: what committed."""
+def committed_orders(engine: sa.Engine, failing: bool = False) -> set[str]:
+    """The message ids of the orders the database holds: what committed (`failing`: only the orders
+    whose first handling fails)."""
+    where = f" WHERE id % {FAILING_EVERY} = 0" if failing else ""
     with engine.connect() as conn:
-        return set(conn.execute(sa.text("SELECT message_id FROM chaos_orders")).scalars())
+        return set(conn.execute(sa.text(f"SELECT message_id FROM chaos_orders{where}")).scalars())
 
 
 def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
@@ -210,6 +217,8 @@ def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
         twice = len(effects) - len(set(effects))
         assert twice == 0, f"{twice} messages handled twice"
         assert set(effects) <= committed, f"{len(set(effects) - committed)} handled messages were never committed"
+        first_tries = {message_id for message_id, attempts, _ in handled(db_url) if attempts == 1}
+        assert not first_tries & committed_orders(engine, failing=True), "a failing handling was not retried"
         unsent = {m: s for m, s in states(engine).items() if s != "sent"}
         assert not unsent, f"{len(unsent)} outbox rows not sent: {list(unsent.items())[:5]}"
         refused = sum(app.refused for app in apps)
