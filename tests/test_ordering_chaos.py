@@ -13,11 +13,7 @@ CI runs each fault once; `pytest -m soak tests/test_ordering_chaos.py` runs twen
 
 from __future__ import annotations
 
-import random
 import signal
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -45,17 +41,10 @@ DRAIN_TIMEOUT_S = 180.0
 SOAK_ROUNDS = 20
 
 
-@dataclass
-class OrderedPipeline:
-    """The replicated group, and the processes that run on it: workers by name, the relay, the app."""
+class OrderedPipeline(chaos.Pipeline):
+    """The group, and the ordered test app's workers, the relay and the application on it."""
 
-    cluster: chaos.Cluster
-    processes: Any
-    db_url: str
-    workers: dict[str, Any] = field(default_factory=dict)
-    relay: Any = None
     app: Any = None
-    restarts: int = 0
 
     def start_worker(self, name: str) -> None:
         self.workers[name] = start_ordered_worker(self.processes, self.cluster.meta, self.db_url, name)
@@ -77,28 +66,6 @@ class OrderedPipeline:
         )
 
 
-def on_the_group(fault: Callable[[chaos.Cluster], None]) -> Callable[[OrderedPipeline], None]:
-    def run(pipeline: OrderedPipeline) -> None:
-        fault(pipeline.cluster)
-
-    run.__name__ = fault.__name__
-    return run
-
-
-def kill_a_worker(pipeline: OrderedPipeline) -> None:
-    """SIGKILL a worker mid-handling and start it again under the same name: its queues move after
-    their leases expire, from the oldest message it did not acknowledge."""
-    name = random.choice(sorted(pipeline.workers))
-    pipeline.processes.kill(pipeline.workers[name], signal.SIGKILL)
-    pipeline.start_worker(name)
-
-
-def kill_the_relay(pipeline: OrderedPipeline) -> None:
-    """SIGKILL the relay and start it again (its key locks go with its connections)."""
-    pipeline.processes.kill(pipeline.relay, signal.SIGKILL)
-    pipeline.start_relay()
-
-
 def kill_the_application(pipeline: OrderedPipeline) -> None:
     """SIGKILL the application mid-stream and start it again: what its sender held waits for the
     relay, behind which the key's later rows wait."""
@@ -109,7 +76,7 @@ def kill_the_application(pipeline: OrderedPipeline) -> None:
 # A master's loss first, while the workers' routes are young: they used to ask its old address for
 # leases until the route expired.
 GROUP_FAULTS = (chaos.kill_the_master, *(f for f in chaos.FAULTS if f is not chaos.kill_the_master))
-FAULTS = (*map(on_the_group, GROUP_FAULTS), kill_a_worker, kill_the_relay, kill_the_application)
+FAULTS = (*map(chaos.on_the_group, GROUP_FAULTS), chaos.kill_a_worker, chaos.kill_the_relay, kill_the_application)
 
 
 def committed(db_url: str) -> dict[str, int]:
@@ -126,23 +93,11 @@ def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
         pipeline.start_relay()
         pipeline.start_app()
         wait_for(lambda: handled_count(db_url) >= PROGRESS, "the workers to get going")
-        for n, fault in enumerate(faults, 1):
-            began = time.monotonic()
-            fault(pipeline)
-            cluster.whole_again()
-            whole = time.monotonic() - began
-            done = handled_count(db_url)
-            wait_for(
-                lambda d=done: handled_count(db_url) >= d + PROGRESS,
-                f"round {n}: the workers to go on",
-                RESUMED_WITHIN_S,
-            )
-            print(
-                f"round {n}: {fault.__name__}: whole again after {whole:.1f} s, handling going on after "
-                f"{time.monotonic() - began:.1f} s",
-                flush=True,
-            )
+
+        def in_order(n: int) -> None:
             assert order_problems(db_url, {}) == [], f"round {n}: a key's handler called out of order"
+
+        chaos.rounds(pipeline, faults, lambda: handled_count(db_url), PROGRESS, RESUMED_WITHIN_S, in_order)
 
         processes.kill(pipeline.app, signal.SIGKILL)  # what it committed is the expected, whatever it held
         expected = committed(db_url)

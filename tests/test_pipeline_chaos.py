@@ -17,13 +17,8 @@ CI runs each fault once; `pytest -m soak tests/test_pipeline_chaos.py` runs twen
 from __future__ import annotations
 
 import contextlib
-import random
-import signal
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -86,16 +81,8 @@ class Application(threading.Thread):
             self.error = exc
 
 
-@dataclass
-class Pipeline:
-    """The replicated group, and the workers (by name) and the relay that run on it."""
-
-    cluster: chaos.Cluster
-    processes: Any
-    db_url: str
-    workers: dict[str, Any] = field(default_factory=dict)
-    relay: Any = None
-    restarts: int = 0
+class Pipeline(chaos.Pipeline):
+    """The group, and the recorder app's workers and the relay on it."""
 
     def start_worker(self, name: str) -> None:
         self.workers[name] = start_worker(
@@ -119,29 +106,6 @@ class Pipeline:
         )
 
 
-def on_the_group(fault: Callable[[chaos.Cluster], None]) -> Callable[[Pipeline], None]:
-    def run(pipeline: Pipeline) -> None:
-        fault(pipeline.cluster)
-
-    run.__name__ = fault.__name__
-    return run
-
-
-def kill_a_worker(pipeline: Pipeline) -> None:
-    """SIGKILL a worker in the middle of its handlers and start it again under the same name: what
-    it held is handed out again after the consumer timeout, and its idempotency record (or its
-    transaction's rollback) keeps the effect single."""
-    name = random.choice(sorted(pipeline.workers))
-    pipeline.processes.kill(pipeline.workers[name], signal.SIGKILL)
-    pipeline.start_worker(name)
-
-
-def kill_the_relay(pipeline: Pipeline) -> None:
-    """SIGKILL the relay (its claimed rows' locks go with its connections) and start it again."""
-    pipeline.processes.kill(pipeline.relay, signal.SIGKILL)
-    pipeline.start_relay()
-
-
 def the_database_goes_away(pipeline: Pipeline) -> None:
     """The application's database kills every connection and takes none for DATABASE_OUTAGE_S: the
     application's transactions fail, the after-commit sender leaves its rows to the relay, the relay
@@ -153,7 +117,7 @@ def the_database_goes_away(pipeline: Pipeline) -> None:
         set_connections_allowed(pipeline.db_url, True)
 
 
-FAULTS = (*map(on_the_group, chaos.FAULTS), kill_a_worker, kill_the_relay, the_database_goes_away)
+FAULTS = (*map(chaos.on_the_group, chaos.FAULTS), chaos.kill_a_worker, chaos.kill_the_relay, the_database_goes_away)
 ORDER_INSERT = sa.text("INSERT INTO chaos_orders (id, message_id) VALUES (:id, :message_id)")
 
 
@@ -187,19 +151,11 @@ def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
             app.start()
             stack.callback(app.stopping.set)  # a failed round ends them too
         wait_for(lambda: handled_count(db_url) >= PROGRESS, "the workers to get going")
-        for n, fault in enumerate(faults, 1):
-            began = time.monotonic()
-            fault(pipeline)
-            cluster.whole_again()
-            whole = time.monotonic() - began
-            done = handled_count(db_url)
-            wait_for(lambda d=done: handled_count(db_url) >= d + PROGRESS, f"round {n}: the workers to go on")
-            print(
-                f"round {n}: {fault.__name__}: whole again after {whole:.1f} s, handling going on after "
-                f"{time.monotonic() - began:.1f} s",
-                flush=True,
-            )
+
+        def apps_fine(n: int) -> None:
             assert all(app.error is None for app in apps), [app.error for app in apps]
+
+        chaos.rounds(pipeline, faults, lambda: handled_count(db_url), PROGRESS, after_each=apps_fine)
 
         for app in apps:
             app.stopping.set()

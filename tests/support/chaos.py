@@ -2,7 +2,9 @@
 tests/test_pipeline_chaos.py, tests/test_delay_chaos.py): a group of two members (brokers, or delay
 servers) under two meta servers on one database, and what can happen to it, each fault a function
 that leaves `Cluster` naming who is master now. `Cluster.whole_again` waits until the group is whole
-and takes sends again; `Sender` is the load, `drawn` a soak run's faults."""
+and takes sends again; `Sender` is the load, `drawn` a soak run's faults. For the runs of the whole
+path, `Pipeline` holds the processes that run on the group (workers, a relay), with their faults,
+and `rounds` hits them fault after fault."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,3 +201,73 @@ class Sender(threading.Thread):
             self.error = exc
         finally:
             self.client.close()
+
+
+@dataclass
+class Pipeline:
+    """The group, and the processes that run on it: workers by name and a relay, which a subclass
+    says how to start (`start_worker`, `start_relay`)."""
+
+    cluster: Cluster
+    processes: Any
+    db_url: str
+    workers: dict[str, Any] = field(default_factory=dict)
+    relay: Any = None
+    restarts: int = 0
+
+    def start_worker(self, name: str) -> None:
+        raise NotImplementedError
+
+    def start_relay(self) -> None:
+        raise NotImplementedError
+
+
+def on_the_group(fault: Callable[[Cluster], None]) -> Callable[[Pipeline], None]:
+    """A fault of the group, as a fault of the pipeline on it."""
+
+    def run(pipeline: Pipeline) -> None:
+        fault(pipeline.cluster)
+
+    run.__name__ = fault.__name__
+    return run
+
+
+def kill_a_worker(pipeline: Pipeline) -> None:
+    """SIGKILL a worker in the middle of its handlers and start it again under the same name: what it
+    held is handed out again (after the consumer timeout, or an ordered queue's lease), and its
+    idempotency record (or its transaction's rollback) keeps the effect single."""
+    name = random.choice(sorted(pipeline.workers))
+    pipeline.processes.kill(pipeline.workers[name], signal.SIGKILL)
+    pipeline.start_worker(name)
+
+
+def kill_the_relay(pipeline: Pipeline) -> None:
+    """SIGKILL the relay (its claimed rows' locks, and ordered keys' locks, go with its connections)
+    and start it again."""
+    pipeline.processes.kill(pipeline.relay, signal.SIGKILL)
+    pipeline.start_relay()
+
+
+def rounds(
+    pipeline: Pipeline,
+    faults: Sequence[Callable[[Pipeline], None]],
+    handled: Callable[[], int],
+    progress: int,
+    within_s: float = 60.0,
+    after_each: Callable[[int], None] = lambda n: None,
+) -> None:
+    """Fault after fault: after each the group must be whole again and `progress` more messages
+    `handled` within `within_s`; then `after_each(round)` checks what the test promises so far."""
+    for n, fault in enumerate(faults, 1):
+        began = time.monotonic()
+        fault(pipeline)
+        pipeline.cluster.whole_again()
+        whole = time.monotonic() - began
+        done = handled()
+        wait_until(lambda d=done: handled() >= d + progress, f"round {n}: the workers to go on", within_s)
+        print(
+            f"round {n}: {fault.__name__}: whole again after {whole:.1f} s, handling going on after "
+            f"{time.monotonic() - began:.1f} s",
+            flush=True,
+        )
+        after_each(n)
