@@ -15,7 +15,7 @@ from qmq.cli.client_options import client_options, make_client
 from qmq.cli.options import delay_servers_option, metrics_port_option, tuning
 from qmq.client import Client
 from qmq.db.url import DB_URL_ENV, normalize_url
-from qmq.memory import keep_large_buffers
+from qmq.memory import collect_less, keep_large_buffers
 from qmq.metrics import serve
 from qmq.outbox import relay as relay_module
 from qmq.outbox.metrics import REGISTRY
@@ -93,6 +93,7 @@ def relay(
 ) -> None:
     """Ship committed outbox rows left unsent (crash, broker down), until SIGTERM."""
     keep_large_buffers()  # its sends are batches of hundreds of rows (qmq/memory.py)
+    collect_less()  # a few objects per row
     urls = [normalize_url(u) for value in dbs for u in value.split()]
     if not urls:
         raise click.UsageError(f"give at least one --db URL (or set ${DB_URL_ENV})")

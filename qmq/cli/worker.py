@@ -15,7 +15,7 @@ import click
 
 from qmq.cli.options import POSITIVE_SECONDS, brokers_option, meta_option, metrics_port_option, token_option
 from qmq.client.routes import META_ENV
-from qmq.memory import keep_large_buffers
+from qmq.memory import collect_less, keep_large_buffers
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 FROM_HELP = (
@@ -129,6 +129,7 @@ def worker(app_spec: str, meta: str | None, brokers: tuple[str, ...], log_level:
         runner = Worker(app, settings, on_ready=_announce)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    collect_less()  # after the app's modules were loaded: they are frozen with the rest (qmq/memory.py)
     try:
         code = runner.run()
     except MissingTables as exc:

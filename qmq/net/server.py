@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from qmq.memory import keep_large_buffers
+from qmq.memory import collect_less, keep_large_buffers
 from qmq.net.acl import Principal
 from qmq.net.auth import CHECK_CACHE_S, Authenticator
 from qmq.net.coalesce import FrameQueue
@@ -425,8 +425,9 @@ def stop_on_signals() -> asyncio.Event:
 
 def run_process(main: Coroutine[Any, Any, None]) -> None:
     """Run a server process's main coroutine to the end, on uvloop when it is installed, with its
-    large buffers kept for reuse (qmq/memory.py)."""
+    large buffers kept for reuse and its garbage collected less often (qmq/memory.py)."""
     keep_large_buffers()
+    collect_less()
     try:
         import uvloop
     except ImportError:
