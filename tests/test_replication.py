@@ -36,6 +36,7 @@ from tests.support.replication import (
     wait_role,
 )
 from tests.support.stores import assert_log_verifies
+from worker.liveness import BacklogProbe
 
 # The issue's full size is 50,000: QMQ_REPL_MESSAGES=50000 .venv/bin/python -m pytest tests/test_replication.py
 MESSAGES = int(os.environ.get("QMQ_REPL_MESSAGES", "5000"))
@@ -231,6 +232,27 @@ def test_a_consumer_acknowledges_to_the_new_master_what_the_old_one_handed_out(p
 
         wait_for(settled, "the new master to hold every message acknowledged", timeout=30)
     assert again == []
+
+
+def test_a_workers_backlog_probe_asks_the_new_master_soon_after_a_failover(processes, tmp_path, meta) -> None:
+    """The worker's liveness asks the brokers of its route for the backlog. After a failover it asks
+    the meta server for the route again rather than the lost master's address until the route
+    expires (30 s), when its backlog figure would be unknown."""
+    a, b = start_group(processes, tmp_path, meta)
+    subject, wanted = "repl.backlog", {("repl.backlog", "w")}
+    with Client(meta=meta) as client:
+        client.subscribe(subject, "w").close()  # the group exists on the brokers, at the end
+        assert all(r.ok for r in client.send([OutgoingMessage(subject, f"m{i}") for i in range(7)]))
+        probe = BacklogProbe(client, None)
+        try:
+            assert probe.backlog(wanted) == 7
+            wait_for(lambda: (replication(b) or {}).get("durable", 0) >= replication(a)["log_end"], "b to hold all")
+            processes.kill(a.proc, signal.SIGKILL)
+            wait_role(b, "master", epoch=2)
+            assert probe.backlog(wanted) is None  # the address it knew is gone...
+            wait_for(lambda: probe.backlog(wanted) == 7, "the probe to ask the new master", timeout=10)
+        finally:
+            probe.close()
 
 
 def log_bytes(data_dir) -> bytes:

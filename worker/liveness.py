@@ -70,15 +70,19 @@ class BacklogProbe:
     def __init__(self, client: Client, token: str | None) -> None:
         self.client = client
         self._pool = ConnectionPool(client_id="qmq-worker-liveness", token=token)
+        self._refresh = False  # a broker could not be asked: its group's master may have moved
 
     def backlog(self, wanted: set[tuple[str, str]]) -> int | None:
-        """The total backlog, or None when a broker could not be asked."""
+        """The total backlog, or None when a broker could not be asked (the next call then asks the
+        meta server for the routes again, rather than the same address until its route expires)."""
         total = 0
-        for address in self._addresses({subject for subject, _ in wanted}):
+        refresh, self._refresh = self._refresh, False
+        for address in self._addresses({subject for subject, _ in wanted}, refresh):
             try:
                 stats = self._pool.request(address, RequestCode.BROKER_STATS, {}, STATS_TIMEOUT_S)
             except Exception as exc:
                 log.debug("no stats from %s: %s", address, exc)
+                self._refresh = True
                 return None
             total += sum(
                 int(g.get("backlog", 0))
@@ -87,11 +91,11 @@ class BacklogProbe:
             )
         return total
 
-    def _addresses(self, subjects: set[str]) -> set[str]:
+    def _addresses(self, subjects: set[str], refresh: bool) -> set[str]:
         addresses: set[str] = set()
         for subject in subjects:
             try:
-                route = self.client.route(subject)
+                route = self.client.route(subject, refresh=refresh)
             except ClientError:
                 continue
             addresses.update(group.addresses[0] for group in route.groups if group.addresses)

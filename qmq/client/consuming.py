@@ -150,6 +150,7 @@ class SubscriptionCore:
         self._arrived: list[Arrived] = []  # received, their deliveries not built yet (take_buffered)
         self._last_flush = time.monotonic()
         self._acks_in_flight: list[AcksInFlight] = []
+        self._acks_failing: set[str] = set()  # broker groups whose last acks did not get through
         self._closed = False
         self._open()
 
@@ -376,6 +377,9 @@ class SubscriptionCore:
         not have arrived goes again with the next acks, to the group's master of the time (after a
         failover, the new one: the pull logs replicate with the group's journal)."""
         if not isinstance(reply, BaseException):
+            if group in self._acks_failing:
+                self._acks_failing.discard(group)
+                log.info("acks reach broker group %s again", group)
             return
         if isinstance(reply, RemoteError) and reply.code not in ACK_AGAIN_CODES:
             with self._lock:
@@ -386,7 +390,9 @@ class SubscriptionCore:
             self._state.ack_again(group, acks)
         if self.client.meta is not None:
             self.client._routes.invalidate([self.subject])  # the group's master may have moved
-        log.warning("acks to broker group %s did not get through (%s): they go again with the next ones", group, reply)
+        if group not in self._acks_failing:  # once per outage: they are tried again with every pull
+            self._acks_failing.add(group)
+            log.warning("acks to broker group %s did not get through (%s): they go again with the next", group, reply)
 
     def _finish(self, delivery: Delivery) -> bool:
         """Mark a delivery done (acknowledged, or nacked); True when the acknowledgements are due to go
