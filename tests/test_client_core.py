@@ -953,46 +953,62 @@ def test_pulls_acks_and_heartbeats_name_the_epoch_of_their_group() -> None:
 
 def test_after_a_failover_acks_heartbeats_nacks_and_pulls_go_to_the_groups_new_master() -> None:
     """A replicated group's pull logs replicate with its journal: the new master knows the pull
-    sequences its old master handed out, so what the consumer holds is acknowledged there (and
-    named in the next pull's `pulled`) instead of being forgotten and delivered again."""
+    sequences its old master handed out (maybe not the last ones, nor the last acks), so what the
+    consumer holds is acknowledged there instead of being forgotten and delivered again. Acks wait
+    for the new master's first pull reply, which says where its pull log ends."""
     subscription = subscribed(A)
     g1 = {"name": "g1", "addresses": [A, B], "epoch": 3}
     subscription._slots.clear()  # the route names one replicated group, g1, its master at A
-    update_slots(subscription._slots, parse_route("order.created", {"groups": [g1]}))
+    subscription._take_route(parse_route("order.created", {"groups": [g1]}))
     loop = subscription.pull(10, 0)
     start = next(loop)
     assert start.call.address == A
     loop.send(done({"batches": [batch("order.created", 0, ["m1", "m2", "m3"])]}))
     d1, d2, d3 = finish(loop)
     assert (d1.broker, d1.broker_group) == (A, "g1")
-    # A is lost; the route now names B, the replica promoted, with the group's next epoch.
-    update_slots(subscription._slots, parse_route("order.created", {"groups": [{**g1, "addresses": [B], "epoch": 4}]}))
     subscription._finish(d1)
     flush = subscription.flush()
-    assert next(flush) == Calls(
-        [Call(B, RequestCode.BROKER_ACK, {"acks": [["order.created", "billing", "c1", 0]], "epoch": 4}, ACK_TIMEOUT_S)]
-    )
-    finish(flush, [{}])
-    assert subscription._state.is_current(d2)  # B took the ack: nothing was forgotten
+    assert next(flush).calls[0].address == A
+    finish(flush, [{}])  # A took the ack of m1: maybe not copied to B before A was lost
+    # A is lost; the route now names B, the replica promoted, with the group's next epoch.
+    subscription._take_route(parse_route("order.created", {"groups": [{**g1, "addresses": [B], "epoch": 4}]}))
     beat = subscription.heartbeat()
     [heartbeat] = next(beat).calls
     assert heartbeat.address == B and heartbeat.body["consumers"] == [["order.created", "billing", "c1"]]
+    assert heartbeat.body["epoch"] == 4
     finish(beat, [{}])
     nack = subscription.nack(d2, 1.0)
     call = next(nack)
     assert call.address == B and call.code == RequestCode.BROKER_NACK and call.body["epoch"] == 4
     finish(nack, {"outcomes": [["retry", 1]]})
+    assert finish(subscription.flush()) is None  # no ack before B answered a pull
     loop = subscription.pull(10, 0)
-    ack = next(loop)  # the nacked one is done here too: its ack goes out beside the pull
-    assert (ack.call.address, ack.call.body["acks"]) == (B, [["order.created", "billing", "c1", 1]])
-    start = loop.send(done({}))
+    start = next(loop)  # (no ack in flight beside it)
     assert start.call.address == B and start.call.body["pulled"] == {"order.created": 2}
-    # B never got the entry of A's last pull: it says where its pull log ends, hands out nothing,
-    # and the consumer starts over from what B has acknowledged.
+    # B never got the entry of A's last pull: it says where its pull log ends and hands out nothing.
+    # What lies below is the same on B and stays; d3 is forgotten: B hands its message out again.
     loop.send(done({"batches": [{**batch("order.created", 2, []), "behind": True}]}))
     assert finish(loop) == []
-    assert not subscription._state.is_current(d3)  # B delivers it again
-    assert subscription._state.pull_request("g1", 10, 0)["pulled"] == {}
+    state = subscription._state
+    assert not state.is_current(d3) and state.is_current(d2) and not state.done(d3)
+    assert state.pull_request("g1", 10, 0)["pulled"] == {"order.created": 1}
+    # B may not have A's last acks: the whole finished prefix goes, m1's ack again.
+    flush = subscription.flush()
+    assert next(flush) == Calls(
+        [Call(B, RequestCode.BROKER_ACK, {"acks": [["order.created", "billing", "c1", 1]], "epoch": 4}, ACK_TIMEOUT_S)]
+    )
+    finish(flush, [{}])
+    [again] = state.accept("g1", {"batches": [batch("order.created", 2, ["m3"])]}, address=B)
+    assert (again.pull_seq, again.broker) == (2, B) and state.is_current(again) and not state.is_current(d3)
+    state.done(again)
+    assert state.take_acks() == {"g1": [["order.created", "billing", "c1", 2]]}
+
+
+def test_a_tracker_cut_below_everything_it_held_is_dropped(state: SubscriptionState) -> None:
+    [d1] = state.accept(A, {"batches": [batch("order.created", 5, ["m1"])]})
+    assert state.accept(A, {"batches": [{**batch("order.created", 3, []), "behind": True}]}) == []
+    assert not state.is_current(d1)
+    assert state.pull_request(A, 10, 0)["pulled"] == {}  # from the broker's acknowledged point
 
 
 def test_prefetch_puts_the_next_pull_in_flight_before_handing_out_a_reply() -> None:

@@ -107,8 +107,10 @@ class AcksInFlight(NamedTuple):
     due: float
 
 
-def update_slots(slots: dict[str, PullSlot], route: Route) -> None:
-    """Add the route's new groups (routes only grow) and take in changed addresses and flags."""
+def update_slots(slots: dict[str, PullSlot], route: Route) -> list[RouteGroup]:
+    """Add the route's new groups (routes only grow) and take in changed addresses and flags.
+    Returns the groups whose master moved (the route names another address first)."""
+    moved = []
     for group in route.groups:
         if not group.addresses:
             continue
@@ -116,7 +118,10 @@ def update_slots(slots: dict[str, PullSlot], route: Route) -> None:
         if slot is None:
             slots[group.name] = PullSlot(group)
         else:
+            if slot.group.addresses[0] != group.addresses[0]:
+                moved.append(group)
             slot.group = group
+    return moved
 
 
 def pull_retry_delay_s(failures: int) -> float:
@@ -329,7 +334,7 @@ class SubscriptionCore:
             raise route
         if not route.groups:
             raise no_route_error(self.client.meta, self.subject)
-        update_slots(self._slots, route)
+        self._take_route(route)
         yield from self._pull_round(DEFAULT_PULL_MAX, 0.0)
 
     def _start_acks(self) -> Steps[None]:
@@ -507,4 +512,11 @@ class SubscriptionCore:
         if isinstance(route, BaseException):
             log.warning("keeping the route of %s: %s", self.subject, route)
             return
-        update_slots(self._slots, route)
+        self._take_route(route)
+
+    def _take_route(self, route: Route) -> None:
+        """The route's groups as pull slots; a group whose master moved holds its acks until the new
+        master answers a pull (`SubscriptionState.master_moved`)."""
+        for group in update_slots(self._slots, route):
+            with self._lock:
+                self._state.master_moved(group.name, group.addresses[0])

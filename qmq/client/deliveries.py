@@ -152,6 +152,8 @@ class AckTracker:
         self.key = key
         self.epoch = epoch
         self.address = key[0]  # where its last batch came from (the group's master then)
+        # epochs before a `cut`: their deliveries numbered below the cut still count
+        self.valid_below: dict[int, int] = {}
         self.base: int | None = None  # the first pull sequence this tracker saw
         self.received_upto = -1  # every sequence from base to here was received
         self.done_upto = -1  # every sequence from base to here is done
@@ -218,6 +220,30 @@ class AckTracker:
             self.done_upto += 1
             self._done.discard(self.done_upto)
 
+    def holds(self, epoch: int, pull_seq: int) -> bool:
+        """Whether a delivery made under `epoch` with `pull_seq` is still this tracker's to finish."""
+        return epoch == self.epoch or pull_seq < self.valid_below.get(epoch, -1)
+
+    def cut(self, end: int, epoch: int) -> bool:
+        """The group's master numbers this consumer's next pull `end`, below what this tracker received:
+        a failover's new master that never got the old master's last pull entries. Sequences from
+        `end` on are forgotten (deliveries of them no longer count: the new master hands their
+        messages out again), those below are the same there and stay (their acks go to the new
+        master, which may not have the old one's last acks: the finished prefix is sent again).
+        Returns False when nothing below `end` is left: the tracker must be dropped."""
+        if self.base is None or end <= self.base:
+            return False
+        for old in self.valid_below:
+            self.valid_below[old] = min(self.valid_below[old], end)
+        self.valid_below[self.epoch] = end
+        self.epoch = epoch
+        self.received_upto = min(self.received_upto, end - 1)
+        self.done_upto = min(self.done_upto, end - 1)
+        self._received = {s for s in self._received if s < end}
+        self._done = {s for s in self._done if s < end}
+        self.acked_upto = self.base - 1
+        return True
+
     def take_ack(self) -> int | None:
         if self.done_upto > self.acked_upto:
             self.acked_upto = self.done_upto
@@ -248,6 +274,7 @@ class SubscriptionState:
         # An ordered subscription's queues whose leases it holds: its pulls take only those.
         self.queues: list[int] | None = [] if options.ordered else None
         self._served_ahead_by: set[str] = set()  # groups asked to serve ahead: each is told of the leave
+        self._moved: dict[str, str] = {}  # group -> its new master, whose first pull reply is awaited
 
     def generation(self, group: str) -> int:
         """Changes whenever a tracker of broker group `group` is dropped. A pull reply is only
@@ -307,8 +334,10 @@ class SubscriptionState:
         messages again. A batch numbered at or below what the tracker already received (new
         messages, or none with `behind`: the broker's answer to a `pulled` past its own pull log)
         means the broker forgot this consumer's pulls (its state went back: a failover's new master
-        that never got its old master's last pulls): the tracker is dropped and the batch ignored;
-        the next pull, naming nothing, gets all that is not acknowledged again."""
+        that never got its old master's last pulls). With `behind`, the tracker is cut where the
+        broker's pull log ends (`AckTracker.cut`): what lies below is the same there and is still
+        acknowledged, what lies above comes again. Otherwise the tracker is dropped and the batch
+        ignored; the next pull, naming nothing, gets all that is not acknowledged again."""
         if generation is not None and generation != self._drops[group]:
             return []
         arrived: list[Arrived] = []
@@ -319,6 +348,8 @@ class SubscriptionState:
             tracker = self._trackers.get(key)
             last = tracker.last_received if tracker is not None else None
             if last is not None and not batch.get("resent") and first <= last:  # (0 is a sequence too)
+                if batch.get("behind") and tracker is not None and tracker.cut(first, next(self._epochs)):
+                    continue  # the next pull names `first - 1` as received: new ones from there
                 del self._trackers[key]  # resent from the broker's ack point by the next pull
                 self._drops[group] += 1
                 continue
@@ -331,6 +362,8 @@ class SubscriptionState:
             for offset, message in enumerate(messages):
                 if first + offset in new:
                     arrived.append(Arrived(tracker, first + offset, message))
+        if address is not None and self._moved.get(group) == address:
+            self._confirm(group)  # its new master answered: acks go to it again
         return arrived
 
     def deliveries(self, arrived: Iterable[Arrived]) -> list[Delivery]:
@@ -340,20 +373,37 @@ class SubscriptionState:
     def is_current(self, delivery: Delivery) -> bool:
         """False for a delivery whose tracker was dropped since: its ack would mean nothing."""
         tracker = self._trackers.get(tracker_key(delivery))
-        return tracker is not None and tracker.epoch == delivery.epoch
+        return tracker is not None and tracker.holds(delivery.epoch, delivery.pull_seq)
 
     def done(self, delivery: Delivery) -> bool:
         """Mark a delivery finished (acknowledged, or nacked and so handed back); False if stale."""
         tracker = self._trackers.get(tracker_key(delivery))
-        if tracker is None or tracker.epoch != delivery.epoch:
+        if tracker is None or not tracker.holds(delivery.epoch, delivery.pull_seq):
             return False
         tracker.done(delivery.pull_seq)
         return True
 
+    def master_moved(self, group: str, address: str) -> None:
+        """The route names a new master for broker group `group`, at `address`. It has the pull logs
+        its old master copied to it, maybe not the last pulls nor the last acks (acks the old master
+        took included). So the group's acks wait for its first pull reply, which says where its pull
+        log ends for each tracker (`behind`: the tracker is cut there); then every tracker's finished
+        prefix is sent again. An ack sent before would be refused past that end, and forget all."""
+        self._moved[group] = address
+
+    def _confirm(self, group: str) -> None:
+        del self._moved[group]
+        for key, tracker in self._trackers.items():
+            if key[0] == group and tracker.base is not None:
+                tracker.acked_upto = tracker.base - 1
+
     def take_acks(self) -> dict[str, list[list[Any]]]:
-        """BROKER_ACK entries by broker group, for every tracker whose finished prefix moved."""
+        """BROKER_ACK entries by broker group, for every tracker whose finished prefix moved (none
+        for a group whose new master has not answered a pull yet: `master_moved`)."""
         acks: dict[str, list[list[Any]]] = defaultdict(list)
         for (group, stored, group_key, consumer), tracker in self._trackers.items():
+            if group in self._moved:
+                continue
             last_pull = tracker.take_ack()
             if last_pull is not None:
                 acks[group].append([stored, group_key, consumer, last_pull])
