@@ -6,10 +6,11 @@ flight there, and its failures), and the deliveries received and not yet returne
 are loops of steps (`qmq.client.steps`): a pull round long-polls every group at once and returns as
 soon as one has messages, leaving the others in flight for the next call; acknowledgements wait and
 go out in batches (at the latest every ACK_FLUSH_INTERVAL_S, and before a pull waits: then in flight
-beside the pull, not awaited before it, so the long poll is in place one round trip sooner); a broker
-that cannot take them is forgotten, and delivers those messages again. Acknowledgements, nacks,
-heartbeats and leaves go to the broker group that handed the messages out, at the address of its
-master as the route names it now: after a failover, the new master takes them.
+beside the pull, not awaited before it, so the long poll is in place one round trip sooner). What a
+broker refuses to acknowledge is forgotten, and it delivers those messages again; acks that did not
+get through go again with the next. Acknowledgements, nacks, heartbeats and leaves go to the broker
+group that handed the messages out, at the address of its master as the route names it now: after
+a failover, the new master takes them.
 """
 
 from __future__ import annotations

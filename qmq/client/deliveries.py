@@ -11,8 +11,9 @@ nothing is lost, at the price of a duplicate.
 Trackers belong to a broker *group*, not to an address: a replicated group's pull logs are in its
 replicated journal, so after a failover the new master knows the pull sequences its old master
 handed out, and the acks, heartbeats and the next pull's `pulled` go to it (the caller sends each
-group's requests to the group's current master). Where the new master never got some of them, it
-says so (a `behind` batch, or an ack refused), and the tracker is dropped as above.
+group's requests to the group's current master). Where the new master never got the last of them,
+it says so: a `behind` batch cuts the tracker where its pull log ends (`AckTracker.cut`); an ack it
+refuses drops the tracker as above.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ class Delivery:
     clock (None for a message not sent by a qmq client), `stored_at` the broker's. The fields after
     `payload` say where to acknowledge it: `broker_group` is the broker group that handed it out
     (its acknowledgement goes to that group's master, wherever it is by then), `broker` the address
-    it came from; `epoch` tells a delivery made before its tracker was dropped (its ack is ignored,
-    and the broker delivers it again)."""
+    it came from; `epoch` tells a delivery made before its tracker was dropped, or cut below it (its
+    ack is ignored, and the broker delivers it again)."""
 
     id: str
     subject: str
