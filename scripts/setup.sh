@@ -15,11 +15,14 @@ REDIS_PORT=6379
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 is_root() { [ "$(id -u)" = 0 ]; }
+APT_LOCK_WAIT_S=600  # how long apt-get waits for another one's dpkg lock
 apt_install() {
     is_root && command -v apt-get >/dev/null || return 1
     say "installing with apt-get: $*"
-    if [ -z "${QMQ_APT_UPDATED:-}" ]; then apt-get update -qq; QMQ_APT_UPDATED=1; fi
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+    # Another apt-get (a second set-up, the system's own updates) may hold dpkg's lock: wait for it.
+    local lock=(-o "DPkg::Lock::Timeout=$APT_LOCK_WAIT_S")
+    if [ -z "${QMQ_APT_UPDATED:-}" ]; then apt-get "${lock[@]}" update -qq; QMQ_APT_UPDATED=1; fi
+    DEBIAN_FRONTEND=noninteractive apt-get "${lock[@]}" install -y -qq "$@" >/dev/null
 }
 port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 wait_port() {  # host port what

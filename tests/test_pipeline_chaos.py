@@ -29,6 +29,7 @@ from tests.support.broker import ROOT
 from tests.support.databases import fresh_database, set_connections_allowed
 from tests.support.outbox import relay_args, states
 from tests.support.replication import wait_for
+from tests.support.waiting import wait_until
 from tests.support.worker import app_database, handled, handled_count, start_worker
 
 SUBJECT = "work"  # the recorder app's
@@ -169,19 +170,31 @@ def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
         def all_handled() -> bool:
             return {row[0] for row in handled(db_url)} >= committed
 
-        wait_for(all_handled, f"all {len(committed):,} committed messages handled", DRAIN_TIMEOUT_S)
+        def unhandled() -> str:
+            missing = committed - {row[0] for row in handled(db_url)}
+            return f"{len(missing)} never handled, for example {sorted(missing)[:10]}"
+
+        wait_until(
+            all_handled, f"all {len(committed):,} committed messages handled", DRAIN_TIMEOUT_S, explain=unhandled
+        )
         effects = [row[0] for row in handled(db_url)]
         twice = len(effects) - len(set(effects))
         assert twice == 0, f"{twice} messages handled twice"
         assert set(effects) <= committed, f"{len(set(effects) - committed)} handled messages were never committed"
         first_tries = {message_id for message_id, attempts, _ in handled(db_url) if attempts == 1}
         assert not first_tries & committed_orders(engine, failing=True), "a failing handling was not retried"
+
         # A row whose send went through but whose mark did not (the database went away between the
         # two) stays pending until the relay, backing off from the outage, ships it again and marks it.
-        wait_for(
+        def unsent() -> str:
+            rows = {message_id: state for message_id, state in states(engine).items() if state != "sent"}
+            return f"{len(rows)} rows not sent, for example {sorted(rows.items())[:10]}"
+
+        wait_until(
             lambda: all(state == "sent" for state in states(engine).values()),
             "every outbox row marked sent (the relay ships again what an outage left pending)",
             RELAY_CATCH_UP_S,
+            explain=unsent,
         )
         refused = sum(app.refused for app in apps)
         print(f"{len(faults)} faults: {len(committed):,} orders committed, each handled once ({refused} refused)")
