@@ -17,6 +17,9 @@ CI runs each fault once; `pytest -m soak tests/test_pipeline_chaos.py` runs twen
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -48,6 +51,8 @@ RETRY_PAUSE_S = 0.05  # an application thread whose transaction failed tries a n
 # One order in this many fails its first handling: a retry through the broker is pending at any moment,
 # and every fault meets some.
 FAILING_EVERY = 10
+LOOKED_UP = 3  # messages never handled whose life a failure prints
+ADMIN_TIMEOUT_S = 30
 
 
 class Application(threading.Thread):
@@ -131,6 +136,18 @@ def committed_orders(engine: sa.Engine, failing: bool = False) -> set[str]:
         return set(conn.execute(sa.text(f"SELECT message_id FROM chaos_orders{where}")).scalars())
 
 
+def admin(meta: str, *args: str) -> str:
+    """What `qmq admin ARGS` prints about the cluster: a failure's explanation."""
+    done = subprocess.run(
+        [sys.executable, "-m", "qmq", "admin", *args, "--meta", meta],
+        capture_output=True,
+        text=True,
+        timeout=ADMIN_TIMEOUT_S,
+        env={**os.environ, "QMQ_TOKEN": ""},
+    )
+    return f"$ qmq admin {' '.join(args)}\n{done.stdout}{done.stderr}"
+
+
 def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
     with (
         app_database(pg_url) as db_url,
@@ -171,8 +188,11 @@ def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
             return {row[0] for row in handled(db_url)} >= committed
 
         def unhandled() -> str:
-            missing = committed - {row[0] for row in handled(db_url)}
-            return f"{len(missing)} never handled, for example {sorted(missing)[:10]}"
+            missing = sorted(committed - {row[0] for row in handled(db_url)})
+            looked_up = [admin(cluster.meta, "lookup", "--id", message_id) for message_id in missing[:LOOKED_UP]]
+            return "\n".join(
+                [f"{len(missing)} never handled, for example {missing[:10]}", *looked_up, admin(cluster.meta, "stats")]
+            )
 
         wait_until(
             all_handled, f"all {len(committed):,} committed messages handled", DRAIN_TIMEOUT_S, explain=unhandled
