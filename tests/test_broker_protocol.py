@@ -79,33 +79,6 @@ BAD_INPUT: dict[str, tuple[Callable[[str], bytes], int, ErrorCode]] = {
         0,
         ErrorCode.UNAUTHORIZED,
     ),
-    "ack-never-served": (
-        lambda s: handshake() + encode_frame(RequestCode.BROKER_ACK, 2, {"acks": [["s", "nogroup", "c", 0]]}),
-        1,
-        ErrorCode.UNKNOWN_CONSUMER,
-    ),
-    "ack-unknown-consumer": (
-        lambda s: handshake() + encode_frame(RequestCode.BROKER_ACK, 2, {"acks": [[s, "g", "stranger", 0]]}),
-        1,
-        ErrorCode.UNKNOWN_CONSUMER,
-    ),
-    "ack-beyond-pulled": (
-        lambda s: handshake() + encode_frame(RequestCode.BROKER_ACK, 2, {"acks": [[s, "g", "bystander", 1000]]}),
-        1,
-        ErrorCode.UNKNOWN_CONSUMER,
-    ),
-    "nack-never-served": (
-        lambda s: (
-            handshake()
-            + encode_frame(
-                RequestCode.BROKER_NACK,
-                2,
-                {"nacks": [{"subject": s, "group": "nogroup", "consumer": "c", "pull_seq": 0, "delay_ms": 0}]},
-            )
-        ),
-        1,
-        ErrorCode.UNKNOWN_CONSUMER,
-    ),
 }
 
 
@@ -125,7 +98,7 @@ def test_a_bad_client_gets_an_error_frame_and_is_closed_while_others_carry_on(to
         assert len(frames) == replies_before + 1, frames
         if replies_before:
             assert frames[0].flags == Flags.RESPONSE and frames[0].request_id == 1  # the handshake reply
-        if code in (ErrorCode.UNKNOWN_REQUEST, ErrorCode.UNKNOWN_CONSUMER):
+        if code == ErrorCode.UNKNOWN_REQUEST:
             assert_request_error_frame(frames[-1], 2, code)
         else:
             assert_connection_error_frame(frames[-1], code)
@@ -133,6 +106,37 @@ def test_a_bad_client_gets_an_error_frame_and_is_closed_while_others_carry_on(to
         assert send(conn, subject, ["after"]) == {"stored": 1, "rejected": []}
         got += bystander.pull(max_count=10)
         assert [d.id for d in got] == ["before-1", "before-2", "after"]
+        bystander.ack(got)
+        assert bystander.pull(wait_ms=0) == []
+    assert token_broker.proc.poll() is None
+
+
+def test_an_ack_or_nack_of_what_this_broker_never_handed_out_is_refused_and_the_connection_stays(
+    token_broker: Broker,
+) -> None:
+    """UNKNOWN_CONSUMER answers the request alone: after a failover a correct client acknowledges to
+    the group's new master pull sequences it may never have got (docs/replication.md), and its other
+    requests on the connection (its pull in flight, other subscriptions') must not fail with it."""
+    subject = "bad.unknown-consumer"
+    with token_broker.connect(token=TOKEN, client_id="bystander") as conn:
+        bystander = RawConsumer(conn, subject, "g", "bystander")
+        assert bystander.pull(wait_ms=0) == []
+        send(conn, subject, ["m0"])
+        got = bystander.pull(max_count=1)  # holds pull seq 0, unacked
+        never_served = {"subject": subject, "group": "nogroup", "consumer": "c", "pull_seq": 0, "delay_ms": 0}
+        refused = [
+            (RequestCode.BROKER_ACK, {"acks": [["s", "nogroup", "c", 0]]}),  # a subject never served
+            (RequestCode.BROKER_ACK, {"acks": [[subject, "g", "stranger", 0]]}),  # a consumer never served
+            (RequestCode.BROKER_ACK, {"acks": [[subject, "g", "bystander", 1000]]}),  # beyond what it pulled
+            (RequestCode.BROKER_NACK, {"nacks": [never_served]}),
+        ]
+        with token_broker.connect(token=TOKEN, client_id="confused") as other:
+            for code, body in refused:
+                with pytest.raises(RemoteError) as error:
+                    other.request(code, body)
+                assert error.value.code == ErrorCode.UNKNOWN_CONSUMER, (code, body)
+                assert error.value.message
+            assert other.request(RequestCode.PING, {}) == {}  # the same connection, still served
         bystander.ack(got)
         assert bystander.pull(wait_ms=0) == []
     assert token_broker.proc.poll() is None
@@ -454,6 +458,40 @@ def test_consumption_state_survives_a_clean_restart(processes, tmp_path) -> None
         assert [d.id for d in RawConsumer(conn, "orders", "other", "x").pull()] == ["m6"]
     # The snapshot covered everything: nothing was replayed from the journal.
     assert ", 0 journal entries replayed" in log_text(broker.proc)  # logged before it listens
+
+
+def test_a_pull_naming_sequences_never_handed_out_here_is_told_the_broker_is_behind(processes, tmp_path) -> None:
+    """After a failover a consumer may name, in `pulled`, pull sequences its old master handed out
+    that never reached the new one. The broker hands out nothing new to it (those numbers would mean
+    other messages here, and the consumer's acks of them would cover messages it never saw): it
+    answers at once with an empty `behind` batch at the end of its own pull log, and the consumer
+    starts over from its acknowledged point."""
+    broker = start_broker(processes, tmp_path / "b")
+    with broker.connect() as conn:
+        send(conn, "orders", ["m0", "m1", "m2"])
+        reply = pull(conn, "orders", "g", "c1", start="earliest", max=64)
+        assert ids(reply) == ["m0", "m1", "m2"]  # pull sequences 0..2
+        conn.request(RequestCode.BROKER_ACK, {"acks": [["orders", "g", "c1", 0]]})
+        send(conn, "orders", ["m3", "m4"])
+
+        reply = pull(conn, "orders", "g", "c1", pulled={"orders": 4}, wait_ms=10_000)  # answered at once
+        assert reply["batches"] == [
+            {"subject": "orders", "group": "g", "first_pull": 3, "resent": False, "behind": True, "messages": []}
+        ]
+        with pytest.raises(RemoteError) as refused:  # nothing was numbered 3 or 4 meanwhile
+            conn.request(RequestCode.BROKER_ACK, {"acks": [["orders", "g", "c1", 4]]})
+        assert refused.value.code == ErrorCode.UNKNOWN_CONSUMER
+        # A consumer this broker never saw, naming what it got elsewhere, is told the same.
+        reply = pull(conn, "orders", "g", "c2", pulled={"orders": 1})
+        assert [(b["first_pull"], b["behind"], b["messages"]) for b in reply["batches"]] == [(0, True, [])]
+
+        # Starting over: what c1 holds unacknowledged comes first, then the new messages.
+        reply = pull(conn, "orders", "g", "c1", max=64)
+        assert [(b["first_pull"], b["resent"]) for b in reply["batches"]] == [(1, True)]
+        assert ids(reply) == ["m1", "m2"]
+        reply = pull(conn, "orders", "g", "c1", pulled={"orders": 2}, max=64)
+        assert [(b["first_pull"], b["resent"]) for b in reply["batches"]] == [(3, False)]
+        assert ids(reply) == ["m3", "m4"]
 
 
 def test_a_rejected_pull_leaves_nothing_unjournalled_behind(processes, tmp_path) -> None:

@@ -886,16 +886,19 @@ def test_pull_takes_buffered_deliveries_without_a_step() -> None:
     assert [d.id for d in subscription.take_buffered()] == ["m5"]
 
 
-def test_acks_flush_as_one_request_per_broker_and_a_failure_forgets_the_tracker() -> None:
+def test_acks_flush_as_one_request_per_broker_an_ack_lost_goes_again_a_refused_one_forgets_the_tracker() -> None:
     subscription = subscribed(A)
     deliveries = pull_now(subscription, ["m1", "m2"])
     assert not any(subscription._finish(d) for d in deliveries)  # not due yet: they wait for a flush
+    ack = Calls([Call(A, RequestCode.BROKER_ACK, {"acks": [["order.created", "billing", "c1", 1]]}, ACK_TIMEOUT_S)])
+    for lost in (ConnectionError("lost"), TimeoutError("no reply"), RemoteError(ErrorCode.NOT_MASTER, "replica")):
+        loop = subscription.flush()
+        assert next(loop) == ack
+        finish(loop, [lost])
+        assert subscription._state.is_current(deliveries[0])  # kept: the same ack goes again
     loop = subscription.flush()
-    step = next(loop)
-    assert step == Calls(
-        [Call(A, RequestCode.BROKER_ACK, {"acks": [["order.created", "billing", "c1", 1]]}, ACK_TIMEOUT_S)]
-    )
-    finish(loop, [ConnectionError("lost")])
+    assert next(loop) == ack
+    finish(loop, [RemoteError(ErrorCode.UNKNOWN_CONSUMER, "beyond what was handed out")])
     assert not subscription._state.is_current(deliveries[0])  # the broker delivers them again
     assert subscription._state.pull_request(A, 10, 0)["pulled"] == {}
     assert finish(subscription.flush()) is None  # nothing left to send: no step
@@ -903,7 +906,7 @@ def test_acks_flush_as_one_request_per_broker_and_a_failure_forgets_the_tracker(
 
 def test_acks_go_out_beside_the_next_long_poll_not_before_it() -> None:
     """A pull about to wait puts the finished acknowledgements in flight and starts its long poll at
-    once (one round trip sooner); a failed ack seen later forgets its tracker as a flush would, and
+    once (one round trip sooner); a refused ack seen later forgets its tracker as a flush would, and
     an explicit flush waits for the acks still in flight."""
     subscription = subscribed(A)
     deliveries = pull_now(subscription, ["m1", "m2"])
@@ -922,7 +925,7 @@ def test_acks_go_out_beside_the_next_long_poll_not_before_it() -> None:
     assert isinstance(wait, WaitAny) and wait.handles == [pull_reply]
     flush = subscription.flush()
     assert next(flush) == WaitAll([ack_reply], ACK_TIMEOUT_S + PULL_REPLY_GRACE_S)  # nothing new: waits
-    ack_reply.set_exception(ConnectionError("lost"))
+    ack_reply.set_exception(RemoteError(ErrorCode.UNKNOWN_CONSUMER, "never handed out"))
     assert finish(flush) is None
     assert not subscription._state.is_current(deliveries[0])  # the broker delivers them again
     pull_reply.set_result({"batches": []})
@@ -946,6 +949,66 @@ def test_pulls_acks_and_heartbeats_name_the_epoch_of_their_group() -> None:
     beat = subscription.heartbeat()
     [heartbeat] = next(beat).calls
     assert heartbeat.code == RequestCode.BROKER_HEARTBEAT and heartbeat.body["epoch"] == 7
+
+
+def test_after_a_failover_acks_heartbeats_nacks_and_pulls_go_to_the_groups_new_master() -> None:
+    """A replicated group's pull logs replicate with its journal: the new master knows the pull
+    sequences its old master handed out (maybe not the last ones, nor the last acks), so what the
+    consumer holds is acknowledged there instead of being forgotten and delivered again. Acks wait
+    for the new master's first pull reply, which says where its pull log ends."""
+    subscription = subscribed(A)
+    g1 = {"name": "g1", "addresses": [A, B], "epoch": 3}
+    subscription._slots.clear()  # the route names one replicated group, g1, its master at A
+    subscription._take_route(parse_route("order.created", {"groups": [g1]}))
+    loop = subscription.pull(10, 0)
+    start = next(loop)
+    assert start.call.address == A
+    loop.send(done({"batches": [batch("order.created", 0, ["m1", "m2", "m3"])]}))
+    d1, d2, d3 = finish(loop)
+    assert (d1.broker, d1.broker_group) == (A, "g1")
+    subscription._finish(d1)
+    flush = subscription.flush()
+    assert next(flush).calls[0].address == A
+    finish(flush, [{}])  # A took the ack of m1: maybe not copied to B before A was lost
+    # A is lost; the route now names B, the replica promoted, with the group's next epoch.
+    subscription._take_route(parse_route("order.created", {"groups": [{**g1, "addresses": [B], "epoch": 4}]}))
+    beat = subscription.heartbeat()
+    [heartbeat] = next(beat).calls
+    assert heartbeat.address == B and heartbeat.body["consumers"] == [["order.created", "billing", "c1"]]
+    assert heartbeat.body["epoch"] == 4
+    finish(beat, [{}])
+    nack = subscription.nack(d2, 1.0)
+    call = next(nack)
+    assert call.address == B and call.code == RequestCode.BROKER_NACK and call.body["epoch"] == 4
+    finish(nack, {"outcomes": [["retry", 1]]})
+    assert finish(subscription.flush()) is None  # no ack before B answered a pull
+    loop = subscription.pull(10, 0)
+    start = next(loop)  # (no ack in flight beside it)
+    assert start.call.address == B and start.call.body["pulled"] == {"order.created": 2}
+    # B never got the entry of A's last pull: it says where its pull log ends and hands out nothing.
+    # What lies below is the same on B and stays; d3 is forgotten: B hands its message out again.
+    loop.send(done({"batches": [{**batch("order.created", 2, []), "behind": True}]}))
+    assert finish(loop) == []
+    state = subscription._state
+    assert not state.is_current(d3) and state.is_current(d2) and not state.done(d3)
+    assert state.pull_request("g1", 10, 0)["pulled"] == {"order.created": 1}
+    # B may not have A's last acks: the whole finished prefix goes, m1's ack again.
+    flush = subscription.flush()
+    assert next(flush) == Calls(
+        [Call(B, RequestCode.BROKER_ACK, {"acks": [["order.created", "billing", "c1", 1]], "epoch": 4}, ACK_TIMEOUT_S)]
+    )
+    finish(flush, [{}])
+    [again] = state.accept("g1", {"batches": [batch("order.created", 2, ["m3"])]}, address=B)
+    assert (again.pull_seq, again.broker) == (2, B) and state.is_current(again) and not state.is_current(d3)
+    state.done(again)
+    assert state.take_acks() == {"g1": [["order.created", "billing", "c1", 2]]}
+
+
+def test_a_tracker_cut_below_everything_it_held_is_dropped(state: SubscriptionState) -> None:
+    [d1] = state.accept(A, {"batches": [batch("order.created", 5, ["m1"])]})
+    assert state.accept(A, {"batches": [{**batch("order.created", 3, []), "behind": True}]}) == []
+    assert not state.is_current(d1)
+    assert state.pull_request(A, 10, 0)["pulled"] == {}  # from the broker's acknowledged point
 
 
 def test_prefetch_puts_the_next_pull_in_flight_before_handing_out_a_reply() -> None:

@@ -184,6 +184,7 @@ def delivery(key: str, n: int, subject: str = "orders#1", stored: str | None = N
         stored_at=None,
         payload=b"",
         broker="b",
+        broker_group="b",
         stored_subject=stored or subject,
         group_key="g",
         consumer="w1",

@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from qmq.client import Client, OutgoingMessage
+from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
 from tests.support.broker import restart_broker, send
 from tests.support.databases import fresh_database
@@ -184,6 +185,101 @@ def test_replica_lost_group_turns_read_only_consumers_go_on_and_it_catches_up(pr
         assert all(r.ok for r in again)
     stats_a, stats_b = replication(a), replication(b)
     assert stats_b["log_end"] <= stats_a["log_end"]
+
+
+def group_stats(broker, subject: str, group: str) -> dict | None:
+    """The broker's BROKER_STATS entry of (subject, group), or None while it cannot answer."""
+    try:
+        with broker.connect() as conn:
+            groups = conn.request(RequestCode.BROKER_STATS, {}, timeout=5)["groups"]
+    except (OSError, ConnectionError, TimeoutError, RemoteError):
+        return None
+    return next((g for g in groups if (g["subject"], g["group"]) == (subject, group)), None)
+
+
+def test_a_consumer_acknowledges_to_the_new_master_what_the_old_one_handed_out(processes, tmp_path, meta) -> None:
+    """The pull logs replicate with the group's journal: what a consumer holds when the group's master
+    is lost is acknowledged to the new master (acks that found no master go again), so nothing it
+    finished is delivered again. Before, its acks went to the lost master's address, failed, and the
+    new master delivered everything it held a second time."""
+    a, b = start_group(processes, tmp_path, meta)
+    subject = "repl.follow"
+    with Client(meta=meta) as client, client.subscribe(subject, "c", start="earliest") as sub:
+        assert all(r.ok for r in client.send([OutgoingMessage(subject, f"m{i}") for i in range(40)]))
+        held = []
+        while len(held) < 40:
+            held += sub.pull(max=40, wait_s=1.0)
+        for delivery in held[:10]:
+            sub.ack(delivery)
+        sub.flush()
+        end = replication(a)["log_end"]  # the pulls and those acks are journalled here...
+        wait_for(lambda: (replication(b) or {}).get("durable", 0) >= end, "the replica to hold the pulls")
+        processes.kill(a.proc, signal.SIGKILL)
+        for delivery in held[10:30]:  # finished while the group has no master
+            sub.ack(delivery)
+        sub.flush()
+        wait_role(b, "master", epoch=2)
+        for delivery in held[30:]:
+            sub.ack(delivery)
+        again: list[str] = []
+
+        def settled():
+            for delivery in sub.pull(max=64, wait_s=0.2):  # (acks go out beside each pull)
+                again.append(delivery.id)
+                sub.ack(delivery)
+            stats = group_stats(b, subject, "c")
+            return stats if stats and (stats["acked"], stats["in_flight"], stats["backlog"]) == (40, 0, 0) else None
+
+        wait_for(settled, "the new master to hold every message acknowledged", timeout=30)
+    assert again == []
+
+
+def pull_exactly(sub, n: int) -> list:
+    got: list = []
+    while len(got) < n:
+        got += sub.pull(max=n - len(got), wait_s=1.0)
+    return got
+
+
+def test_pulls_the_new_master_never_got_come_again_and_nothing_before_them(processes, tmp_path, meta) -> None:
+    """Pulls do not wait for replicas: the master may be lost with its last pull entries (and acks)
+    copied nowhere. The new master then answers the consumer's next pull `behind`, at the end of its
+    own pull log; the consumer keeps what lies below (the same there) and acknowledges it again, and
+    only the messages of the pulls the new master never got come again."""
+    a, b = start_group(processes, tmp_path, meta)
+    subject = "repl.behind"
+    with Client(meta=meta) as client, client.subscribe(subject, "c", start="earliest") as sub:
+        assert all(r.ok for r in client.send([OutgoingMessage(subject, f"m{i}") for i in range(60)]))
+        copied = pull_exactly(sub, 20)
+        for delivery in copied[:10]:
+            sub.ack(delivery)
+        sub.flush()
+        end = replication(a)["log_end"]
+        wait_for(lambda: (replication(b) or {}).get("durable", 0) >= end, "the replica to hold the first pulls")
+        os.killpg(b.proc.pid, signal.SIGSTOP)  # for less than --max-lag: the meta server still counts it in sync
+        try:
+            # The next pull's entry still reaches the frozen replica (the answer to the fetch it was
+            # waiting on, in its socket's buffer); the one after it, nothing.
+            handed = pull_exactly(sub, 20)
+            lost = pull_exactly(sub, 20)
+            for delivery in copied[10:] + handed + lost:
+                sub.ack(delivery)
+            sub.flush()  # the old master has every ack; the replica has those of m0..m9 only
+            processes.kill(a.proc, signal.SIGKILL)
+        finally:
+            os.killpg(b.proc.pid, signal.SIGCONT)
+        wait_role(b, "master", epoch=2)
+        again: list[str] = []
+
+        def settled():
+            for delivery in sub.pull(max=64, wait_s=0.2):
+                again.append(delivery.id)
+                sub.ack(delivery)
+            stats = group_stats(b, subject, "c")
+            return stats if stats and (stats["in_flight"], stats["backlog"]) == (0, 0) and again else None
+
+        wait_for(settled, "the new master to hand out again what it never saw pulled", timeout=30)
+    assert sorted(again) == sorted(d.id for d in lost)  # and none of what it had seen pulled
 
 
 def test_a_workers_backlog_probe_asks_the_new_master_soon_after_a_failover(processes, tmp_path, meta) -> None:

@@ -64,6 +64,7 @@ class Consumer(threading.Thread):
         super().__init__(daemon=True, name="chaos-consumer")
         self.meta = meta
         self.got: list[str] = []
+        self.copies: list[tuple[str, object]] = []  # (id, stored_at): a copy delivered twice, or two copies
         self.want: set[str] | None = None  # set when the producer stopped: drain until all came
         self.error: BaseException | None = None
 
@@ -77,6 +78,7 @@ class Consumer(threading.Thread):
                 while self.want is None or not self.want <= seen:
                     for delivery in sub.pull(max=256, wait_s=0.5):
                         self.got.append(delivery.id)
+                        self.copies.append((delivery.id, delivery.stored_at))
                         seen.add(delivery.id)
                         sub.ack(delivery)
                 sub.flush()
@@ -121,9 +123,12 @@ def faults_in_a_row(processes, tmp_path, pg_url, faults) -> None:
         assert not consumer.is_alive(), f"{len(acked - consumed)} of {len(acked)} acknowledged messages never consumed"
         assert acked <= consumed
         assert consumed <= producer.sent, f"{len(consumed - producer.sent)} consumed messages were never sent"
+        copies = set(consumer.copies)
         print(
             f"{len(faults)} faults: {len(acked):,} acknowledged, {len(consumer.got):,} deliveries, "
-            f"{len(consumer.got) - len(consumed)} duplicates, failed sends by code {dict(producer.failed)}"
+            f"{len(consumer.got) - len(consumed)} duplicates ({len(consumer.copies) - len(copies)} a stored copy "
+            f"delivered again, {len(copies) - len(consumed)} stored twice by a send repeated after a failover), "
+            f"failed sends by code {dict(producer.failed)}"
         )
         assert replication(cluster.master)["epoch"] == cluster.epoch
         for member in cluster.members:

@@ -134,6 +134,14 @@ class ConsumerGroup:
         self.consumers[consumer_id].last_seen = now
         return Delivery(action.first_pull, seqs), action
 
+    def next_pull(self, consumer_id: str) -> int:
+        """The pull sequence `consumer_id` is handed next. A consumer that names one at or past it as
+        received knows pulls this broker does not (a failover's new master that never got its old
+        master's last pull entries): it must start over from its acknowledged point before anything
+        new is numbered here, or its acks would cover messages it never saw."""
+        consumer = self.consumers.get(consumer_id)
+        return consumer.pull_log.pull_seq if consumer is not None else 0
+
     def ack(self, consumer_id: str, last_pull: int, now: float) -> Ack | None:
         """Acknowledge `consumer_id`'s pull sequences up to `last_pull`; the action to journal, or None
         for a repeat. Raises `UnknownConsumer`, or ValueError for a pull sequence never handed out."""

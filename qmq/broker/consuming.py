@@ -5,9 +5,10 @@ A pull hands a consumer its group's next messages, due retries first, journals t
 once that is durable; it waits (up to `wait_ms`) for new messages when there are none. Acks move the
 consumer's ack offset; a nack schedules a retry after the delay asked for, or dead-letters the
 message. Promises: a message is never handed to two live consumers of a group at once; an ack or
-nack naming a group or consumer this broker never served is UNKNOWN_CONSUMER (and closes the
-connection: the client's state is not this broker's); the acks of one request before a bad one are
-kept.
+nack naming a group, consumer or pull sequence this broker never served is UNKNOWN_CONSUMER, for
+that request alone (after a failover a correct client may name what only the old master handed
+out); the acks of one request before a bad one are kept; a pull naming as received pull sequences
+never handed out here is answered `behind` and handed nothing new (see `behind`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def broadcast_key(group: str, consumer: str) -> str:
 
 
 def unknown(message: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.UNKNOWN_CONSUMER, message, fatal=True)
+    return ProtocolError(ErrorCode.UNKNOWN_CONSUMER, message, fatal=False)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,30 @@ def unnamed_siblings(leaves: list[Any]) -> list[list[Any]]:
                 named.add((sibling, key, consumer))
                 siblings.append([sibling, key, consumer, -1])
     return siblings
+
+
+def behind(stored: str, pull: PullRequest, pulled: int, next_pull: int) -> dict[str, Any]:
+    """The answer to a consumer that names pull sequences this broker never handed out: an empty batch
+    numbered where this broker's pull log for it ends, which tells the client to forget what it holds
+    from this group and pull again naming nothing (it then gets every message not acknowledged here).
+    Nothing new is handed out before that: its acks of sequences it got elsewhere must not cover them."""
+    log.info(
+        "consumer %r of group %r on %s names pull %d received, but this broker handed out only %d:"
+        " its state is behind the consumer's (a failover?); the consumer starts over from its acknowledged point",
+        pull.consumer,
+        pull.key,
+        stored,
+        pulled,
+        next_pull,
+    )
+    return {
+        "subject": stored,
+        "group": pull.key,
+        "first_pull": next_pull,
+        "resent": False,
+        "behind": True,
+        "messages": [],
+    }
 
 
 class Consuming:
@@ -220,6 +245,9 @@ class Consuming:
                 return [r.seq for r in records], next_seq
 
             pulled = NOTHING_TO_RESEND if ahead else pull.pulled.get(stored, -1)
+            if not ahead and pulled >= (next_pull := group.next_pull(pull.consumer)):
+                batches.append(behind(stored, pull, pulled, next_pull))
+                continue
             handed, action = group.pull(pull.consumer, pulled, remaining, read, now)
             if action is not None:
                 entries.append(GroupAction(stored, pull.key, action))

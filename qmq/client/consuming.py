@@ -6,8 +6,11 @@ flight there, and its failures), and the deliveries received and not yet returne
 are loops of steps (`qmq.client.steps`): a pull round long-polls every group at once and returns as
 soon as one has messages, leaving the others in flight for the next call; acknowledgements wait and
 go out in batches (at the latest every ACK_FLUSH_INTERVAL_S, and before a pull waits: then in flight
-beside the pull, not awaited before it, so the long poll is in place one round trip sooner); a broker
-that cannot take them is forgotten, and delivers those messages again.
+beside the pull, not awaited before it, so the long poll is in place one round trip sooner). What a
+broker refuses to acknowledge is forgotten, and it delivers those messages again; acks that did not
+get through go again with the next. Acknowledgements, nacks, heartbeats and leaves go to the broker
+group that handed the messages out, at the address of its master as the route names it now: after
+a failover, the new master takes them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ PULL_RETRY_MAX_DELAY_S = 1.0
 ACK_FLUSH_INTERVAL_S = 1.0  # acknowledgements wait at most this long (while pull or ack is called)
 ACK_TIMEOUT_S = 10.0  # wait for a BROKER_ACK, BROKER_NACK or BROKER_HEARTBEAT reply
 LEAVE_TIMEOUT_S = 5.0  # wait for a BROKER_LEAVE reply on closing (without one, the consumer timeout acts)
+# An ack answered with one of these did not reach the group's master: it goes again (like one whose
+# connection failed) rather than forgetting what it acknowledges.
+ACK_AGAIN_CODES = frozenset({ErrorCode.NOT_MASTER, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT})
 # A pull refused with one of these will be refused again: the subscription itself is wrong.
 FATAL_PULL_CODES = frozenset(
     {
@@ -69,7 +75,7 @@ class PullSlot:
     pending: Any = None
     address: str = ""  # where the pull in flight went
     due: float = 0.0  # when its reply is expected at the latest, before PULL_REPLY_GRACE_S (monotonic)
-    generation: int = 0  # SubscriptionState.generation(address) when its request was built
+    generation: int = 0  # SubscriptionState.generation(group) when its request was built
     failures: int = 0  # pulls failed in a row
     retry_at: float = 0.0  # no new pull before this (monotonic)
 
@@ -96,14 +102,16 @@ class AcksInFlight(NamedTuple):
     """A BROKER_ACK put in flight before a pull (see `SubscriptionCore.pull`), checked once done, or
     given up on at `due` (monotonic)."""
 
-    address: str
+    group: str  # the broker group (named by its address when the route is a static list)
     acks: list[list[Any]]
     handle: Any
     due: float
 
 
-def update_slots(slots: dict[str, PullSlot], route: Route) -> None:
-    """Add the route's new groups (routes only grow) and take in changed addresses and flags."""
+def update_slots(slots: dict[str, PullSlot], route: Route) -> list[RouteGroup]:
+    """Add the route's new groups (routes only grow) and take in changed addresses and flags.
+    Returns the groups whose master moved (the route names another address first)."""
+    moved = []
     for group in route.groups:
         if not group.addresses:
             continue
@@ -111,7 +119,10 @@ def update_slots(slots: dict[str, PullSlot], route: Route) -> None:
         if slot is None:
             slots[group.name] = PullSlot(group)
         else:
+            if slot.group.addresses[0] != group.addresses[0]:
+                moved.append(group)
             slot.group = group
+    return moved
 
 
 def pull_retry_delay_s(failures: int) -> float:
@@ -145,6 +156,7 @@ class SubscriptionCore:
         self._arrived: list[Arrived] = []  # received, their deliveries not built yet (take_buffered)
         self._last_flush = time.monotonic()
         self._acks_in_flight: list[AcksInFlight] = []
+        self._acks_failing: set[str] = set()  # broker groups whose last acks did not get through
         self._closed = False
         self._open()
 
@@ -226,15 +238,15 @@ class SubscriptionCore:
             )
             if not self._state.is_current(delivery):
                 return None
-        reply = yield Call(delivery.broker, RequestCode.BROKER_NACK, body, ACK_TIMEOUT_S)
+        address = self._address(delivery.broker_group)
+        reply = yield Call(
+            address, RequestCode.BROKER_NACK, self._with_epoch(body, delivery.broker_group), ACK_TIMEOUT_S
+        )
         if isinstance(reply, BaseException):
             with self._lock:
                 self._state.drop_delivery(delivery)
             log.warning(
-                "nack of message %s to %s failed (%s): the broker will deliver it again",
-                delivery.id,
-                delivery.broker,
-                reply,
+                "nack of message %s to %s failed (%s): the broker will deliver it again", delivery.id, address, reply
             )
             return None
         if self._finish(delivery):
@@ -250,15 +262,12 @@ class SubscriptionCore:
             acks = self._state.take_acks()
             self._last_flush = time.monotonic()
         if acks:
-            addresses = list(acks)
+            groups = list(acks)
             replies = yield Calls(
-                [
-                    Call(a, RequestCode.BROKER_ACK, self._with_epoch({"acks": acks[a]}, a), ACK_TIMEOUT_S)
-                    for a in addresses
-                ]
+                [self._call(g, RequestCode.BROKER_ACK, {"acks": acks[g]}, ACK_TIMEOUT_S) for g in groups]
             )
-            for address, reply in zip(addresses, replies, strict=True):
-                self._ack_answered(address, acks[address], reply)
+            for group, reply in zip(groups, replies, strict=True):
+                self._ack_answered(group, acks[group], reply)
         with self._lock:
             in_flight = [a.handle for a in self._acks_in_flight]
         if in_flight:
@@ -273,20 +282,18 @@ class SubscriptionCore:
         with self._lock:
             bodies = self._state.heartbeat_requests()
             if worker is not None:  # every broker of the route hears the report, holding messages or not
-                for slot in self._slots.values():
-                    bodies.setdefault(slot.address or slot.group.addresses[0], {"consumers": []})
+                for name in self._slots:
+                    bodies.setdefault(name, {"consumers": []})
         if worker is not None:
             consumer = self.options.consumer
-            bodies = {address: {**body, "consumer": consumer, "worker": worker} for address, body in bodies.items()}
+            bodies = {group: {**body, "consumer": consumer, "worker": worker} for group, body in bodies.items()}
         if not bodies:
             return
-        addresses = list(bodies)
-        replies = yield Calls(
-            [Call(a, RequestCode.BROKER_HEARTBEAT, self._with_epoch(bodies[a], a), ACK_TIMEOUT_S) for a in addresses]
-        )
-        for address, reply in zip(addresses, replies, strict=True):
+        calls = [self._call(g, RequestCode.BROKER_HEARTBEAT, body, ACK_TIMEOUT_S) for g, body in bodies.items()]
+        replies = yield Calls(calls)
+        for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, BaseException):
-                log.warning("heartbeat to %s failed: %s", address, reply)
+                log.warning("heartbeat to %s failed: %s", call.address, reply)
 
     def leave(self) -> Steps[int]:
         """On closing, after the last acks: tell the brokers this consumer is going, so that what it
@@ -300,14 +307,14 @@ class SubscriptionCore:
             bodies = self._state.leave_requests(not_handed)
         if not bodies:
             return 0
-        addresses = list(bodies)
-        replies = yield Calls(
-            [Call(a, RequestCode.BROKER_LEAVE, self._with_epoch(bodies[a], a), LEAVE_TIMEOUT_S) for a in addresses]
-        )
+        calls = [self._call(g, RequestCode.BROKER_LEAVE, body, LEAVE_TIMEOUT_S) for g, body in bodies.items()]
+        replies = yield Calls(calls)
         released = 0
-        for address, reply in zip(addresses, replies, strict=True):
+        for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, BaseException):
-                log.info("cannot tell %s this consumer leaves (%s): its messages wait for the timeout", address, reply)
+                log.info(
+                    "cannot tell %s this consumer leaves (%s): its messages wait for the timeout", call.address, reply
+                )
             else:
                 released += int(reply.get("released") or 0)
         return released
@@ -328,7 +335,7 @@ class SubscriptionCore:
             raise route
         if not route.groups:
             raise no_route_error(self.client.meta, self.subject)
-        update_slots(self._slots, route)
+        self._take_route(route)
         yield from self._pull_round(DEFAULT_PULL_MAX, 0.0)
 
     def _start_acks(self) -> Steps[None]:
@@ -339,16 +346,25 @@ class SubscriptionCore:
         with self._lock:
             acks = self._state.take_acks()
             self._last_flush = time.monotonic()
-        for address, entries in acks.items():
-            body = self._with_epoch({"acks": entries}, address)
-            handle = yield Start(Call(address, RequestCode.BROKER_ACK, body, ACK_TIMEOUT_S))
+        for group, entries in acks.items():
+            handle = yield Start(self._call(group, RequestCode.BROKER_ACK, {"acks": entries}, ACK_TIMEOUT_S))
             with self._lock:
-                self._acks_in_flight.append(AcksInFlight(address, entries, handle, time.monotonic() + ACK_TIMEOUT_S))
+                self._acks_in_flight.append(AcksInFlight(group, entries, handle, time.monotonic() + ACK_TIMEOUT_S))
 
-    def _with_epoch(self, body: dict[str, Any], address: str) -> dict[str, Any]:
-        """`body` for the broker at `address`, with the epoch of its group when replicated."""
-        group = next((s.group for s in list(self._slots.values()) if address in s.group.addresses), None)
-        return with_epoch(body, group)
+    def _address(self, group: str) -> str:
+        """Where broker group `group`'s master is now, as the route last said (a static route names
+        each group by its broker's address)."""
+        slot = self._slots.get(group)
+        return slot.group.addresses[0] if slot is not None and slot.group.addresses else group
+
+    def _with_epoch(self, body: dict[str, Any], group: str) -> dict[str, Any]:
+        """`body` for broker group `group`, with the group's epoch when replicated."""
+        slot = self._slots.get(group)
+        return with_epoch(body, slot.group if slot is not None else None)
+
+    def _call(self, group: str, code: RequestCode, body: dict[str, Any], timeout_s: float) -> Call:
+        """A request to broker group `group`'s master, with the group's epoch."""
+        return Call(self._address(group), code, self._with_epoch(body, group), timeout_s)
 
     def _settle_acks(self) -> None:
         """Look at the answers of the acknowledgements in flight that came."""
@@ -358,15 +374,31 @@ class SubscriptionCore:
             self._acks_in_flight = [a for a in self._acks_in_flight if a not in over]
         for sent in over:
             if not sent.handle.done():
-                self._ack_answered(sent.address, sent.acks, TimeoutError(f"no reply from {sent.address}"))
+                self._ack_answered(sent.group, sent.acks, TimeoutError(f"no reply from broker group {sent.group}"))
             elif not sent.handle.cancelled():
-                self._ack_answered(sent.address, sent.acks, outcome(sent.handle))
+                self._ack_answered(sent.group, sent.acks, outcome(sent.handle))
 
-    def _ack_answered(self, address: str, acks: list[list[Any]], reply: Any) -> None:
-        if isinstance(reply, BaseException):
+    def _ack_answered(self, group: str, acks: list[list[Any]], reply: Any) -> None:
+        """A refused ack forgets its trackers (the broker delivers those messages again); one that may
+        not have arrived goes again with the next acks, to the group's master of the time (after a
+        failover, the new one: the pull logs replicate with the group's journal)."""
+        if not isinstance(reply, BaseException):
+            if group in self._acks_failing:
+                self._acks_failing.discard(group)
+                log.info("acks reach broker group %s again", group)
+            return
+        if isinstance(reply, RemoteError) and reply.code not in ACK_AGAIN_CODES:
             with self._lock:
-                self._state.drop(address, acks)
-            log.warning("acks to %s failed (%s): the broker will deliver the messages again", address, reply)
+                self._state.drop(group, acks)
+            log.warning("broker group %s refused acks (%s): it will deliver those messages again", group, reply)
+            return
+        with self._lock:
+            self._state.ack_again(group, acks)
+        if self.client.meta is not None:
+            self.client._routes.invalidate([self.subject])  # the group's master may have moved
+        if group not in self._acks_failing:  # once per outage: they are tried again with every pull
+            self._acks_failing.add(group)
+            log.warning("acks to broker group %s did not get through (%s): they go again with the next", group, reply)
 
     def _finish(self, delivery: Delivery) -> bool:
         """Mark a delivery done (acknowledged, or nacked); True when the acknowledgements are due to go
@@ -427,10 +459,10 @@ class SubscriptionCore:
         for slot in self._slots.values():
             if not slot.can_pull(now):
                 continue
-            address = slot.group.addresses[0]
+            address, name = slot.group.addresses[0], slot.group.name
             with self._lock:
-                body = with_epoch(self._state.pull_request(address, max_count, wait_s), slot.group)
-                generation = self._state.generation(address)
+                body = with_epoch(self._state.pull_request(name, max_count, wait_s), slot.group)
+                generation = self._state.generation(name)
             handle = yield Start(Call(address, RequestCode.BROKER_PULL, body, wait_s + PULL_REPLY_GRACE_S))
             slot.sent(handle, address, now + wait_s, generation)
 
@@ -469,7 +501,7 @@ class SubscriptionCore:
             if slot.succeeded():
                 log.info("pulling %s from broker group %s again", self.subject, slot.group.name)
             with self._lock:
-                self._arrived.extend(self._state.receive(slot.address, reply, slot.generation))
+                self._arrived.extend(self._state.receive(slot.group.name, reply, slot.generation, slot.address))
         if fatal is not None:
             raise ClientError(f"the broker refused to serve {self.subject!r} to group {self.group!r}: {fatal}")
 
@@ -481,4 +513,11 @@ class SubscriptionCore:
         if isinstance(route, BaseException):
             log.warning("keeping the route of %s: %s", self.subject, route)
             return
-        update_slots(self._slots, route)
+        self._take_route(route)
+
+    def _take_route(self, route: Route) -> None:
+        """The route's groups as pull slots; a group whose master moved holds its acks until the new
+        master answers a pull (`SubscriptionState.master_moved`)."""
+        for group in update_slots(self._slots, route):
+            with self._lock:
+                self._state.master_moved(group.name, group.addresses[0])

@@ -107,6 +107,9 @@ class RawConsumer:
         reply = self.conn.request(RequestCode.BROKER_PULL, body, timeout=wait_ms / 1000 + 30)
         out = []
         for batch in reply["batches"]:
+            if batch.get("behind"):  # the broker's pull log ends there (a failover): as the client, go on from it
+                self.pulled[batch["subject"]] = batch["first_pull"] - 1
+                continue
             for i, m in enumerate(batch["messages"]):
                 out.append(
                     Delivered(
