@@ -282,6 +282,47 @@ def test_pulls_the_new_master_never_got_come_again_and_nothing_before_them(proce
     assert sorted(again) == sorted(d.id for d in lost)  # and none of what it had seen pulled
 
 
+def test_a_nack_is_answered_only_once_the_replica_holds_its_retry(processes, tmp_path, meta) -> None:
+    """A nack's answer promises the retry: the consumer then counts the message done, and its acks,
+    sent again to a new master after a failover, cover it. So the master answers only once a replica
+    holds the retry, as it does a send. Answered before, the retry was lost with the master, and the
+    new master took the acks covering the message: it was never delivered again."""
+    a, b = start_group(processes, tmp_path, meta)
+    subject = "repl.nack"
+    with Client(meta=meta) as client, client.subscribe(subject, "c", start="earliest") as sub:
+        assert all(r.ok for r in client.send([OutgoingMessage(subject, f"m{i}") for i in range(20)]))
+        pulled = pull_exactly(sub, 20)
+        end = replication(a)["log_end"]
+        wait_for(lambda: (replication(b) or {}).get("durable", 0) >= end, "the replica to hold the pulls")
+        failing = pulled[-1]
+        nacked: list[object] = []
+        os.killpg(b.proc.pid, signal.SIGSTOP)  # for less than --max-lag: the meta server still counts it in sync
+        try:
+            # The acks' entry still reaches the frozen replica (the answer to the fetch it was waiting
+            # on, in its socket's buffer); the nack's retry, nothing.
+            for delivery in pulled[:-1]:
+                sub.ack(delivery)
+            sub.flush()
+            nacking = threading.Thread(target=lambda: nacked.append(sub.nack(failing, delay_s=0.2)))
+            nacking.start()
+            wait_for(lambda: (group_stats(a, subject, "c") or {}).get("retrying") == 1, "the master to take the nack")
+            processes.kill(a.proc, signal.SIGKILL)
+        finally:
+            os.killpg(b.proc.pid, signal.SIGCONT)
+        nacking.join(timeout=30)
+        wait_role(b, "master", epoch=2)
+        again: list[str] = []
+
+        def delivered_again() -> bool:
+            for delivery in sub.pull(max=64, wait_s=0.2):
+                again.append(delivery.id)
+                sub.ack(delivery)
+            return failing.id in again
+
+        wait_for(delivered_again, "the new master to deliver the nacked message again", timeout=30)
+    assert nacked == [None], nacked  # not answered: no replica held its retry
+
+
 def test_a_workers_backlog_probe_asks_the_new_master_soon_after_a_failover(processes, tmp_path, meta) -> None:
     """The worker's liveness asks the brokers of its route for the backlog. After a failover it asks
     the meta server for the route again rather than the lost master's address until the route

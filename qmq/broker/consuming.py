@@ -4,11 +4,12 @@ BROKER_HEARTBEAT.
 A pull hands a consumer its group's next messages, due retries first, journals the pull and replies
 once that is durable; it waits (up to `wait_ms`) for new messages when there are none. Acks move the
 consumer's ack offset; a nack schedules a retry after the delay asked for, or dead-letters the
-message. Promises: a message is never handed to two live consumers of a group at once; an ack or
-nack naming a group, consumer or pull sequence this broker never served is UNKNOWN_CONSUMER, for
-that request alone (after a failover a correct client may name what only the old master handed
-out); the acks of one request before a bad one are kept; a pull naming as received pull sequences
-never handed out here is answered `behind` and handed nothing new (see `behind`).
+message, and is answered once that is durable and, in a replicated group, held by the replicas.
+Promises: a message is never handed to two live consumers of a group at once; an ack or nack naming
+a group, consumer or pull sequence this broker never served is UNKNOWN_CONSUMER, for that request
+alone (after a failover a correct client may name what only the old master handed out); the acks
+of one request before a bad one are kept; a pull naming as received pull sequences never handed out
+here is answered `behind` and handed nothing new (see `behind`).
 """
 
 from __future__ import annotations
@@ -400,6 +401,9 @@ class Consuming:
             end = core.apply_and_commit(stops)
         if end:
             await core.store.durable(end)
+            # The answer promises the retry (or dead letter): the consumer counts the message done,
+            # and its acks cover it on whichever master comes next. So a replica must hold it, as a send.
+            await core.replicated(end)
         return {"outcomes": outcomes}
 
     async def leave(self, body: dict[str, Any]) -> dict[str, Any]:
