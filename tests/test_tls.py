@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from qmq.client import Client, OutgoingMessage
 from qmq.net.aio_client import AsyncConnection
 from qmq.net.client import BlockingConnection
-from qmq.net.tls import ClientTLS
+from qmq.net.tls import ClientTLS, configure_client
 from qmq.protocol.codes import RequestCode
 from tests.support.broker import start_broker
 from tests.support.databases import fresh_database
@@ -170,3 +171,39 @@ def test_servers_and_the_cli_speak_tls_to_each_other(processes, tmp_path, certs,
             timeout=60,
         )
         assert refused.returncode != 0 and "TLS" in refused.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_send_through_a_refused_tls_handshake_fails_at_once_naming_it(processes, tmp_path, certs):
+    """A certificate the client does not trust is a setting to fix, not a moment to wait out: the send
+    fails with the TLS error at once, though its delivery timeout would let it wait ten minutes for a
+    broker that is merely down (the pytest timeout, 120 s, fails a send that waits)."""
+    broker = tls_broker(processes, tmp_path, certs)
+    configure_client(ClientTLS(certs.other_ca))
+    try:
+        with Client(brokers=[f"{HOST}:{broker.port}"], delivery_timeout_s=600) as client:
+            (result,) = client.send([OutgoingMessage("tls.refused", "hello")])
+    finally:
+        configure_client(None)
+    assert not result.ok and "CERTIFICATE_VERIFY_FAILED" in (result.error or ""), result
+
+
+@pytest.mark.timeout(120)
+def test_a_send_through_a_meta_server_refusing_its_tls_fails_at_once_naming_it(processes, pg_url, certs):
+    """The same when the meta server is the one whose certificate the client does not trust."""
+    with fresh_database(pg_url) as db_url:
+        port = free_port()
+        server_tls = ["--tls-cert", certs.server_cert, "--tls-key", certs.server_key]
+        meta = processes.start(
+            ["-m", "qmq", "meta", "--port", str(port), "--db", db_url, *server_tls],
+            name="meta",
+            env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": ""},
+        )
+        wait_for_port(port, meta)
+        configure_client(ClientTLS(certs.other_ca))
+        try:
+            with Client(meta=f"{HOST}:{port}", delivery_timeout_s=600) as client:
+                (result,) = client.send([OutgoingMessage("tls.refused", "hello")])
+        finally:
+            configure_client(None)
+    assert not result.ok and "CERTIFICATE_VERIFY_FAILED" in (result.error or ""), result

@@ -17,11 +17,13 @@ class ClientError(Exception):
 
 class MetaUnreachable(ClientError):
     """The meta server could not be asked for a route. `code`: the error it answered with, when it
-    answered (a wrong token, a refusal), None when it could not be reached."""
+    answered (a wrong token, a refusal), None when it could not be reached; `tls_refused`: its TLS
+    handshake failed (a setting to fix, not a moment to wait out)."""
 
-    def __init__(self, message: str, code: int | None = None) -> None:
+    def __init__(self, message: str, code: int | None = None, *, tls_refused: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.tls_refused = tls_refused
 
 
 class ClientClosed(ClientError, ConnectionError):
@@ -53,12 +55,14 @@ class InvalidSubscription(Refused):
 
 
 class ConnectFailed(ConnectionError):
-    """No connection could be opened to `address` (nothing listens, unreachable, timed out)."""
+    """No connection could be opened to `address` (nothing listens, unreachable, timed out, or
+    `tls_refused`: its TLS handshake failed, a setting to fix rather than wait out)."""
 
-    def __init__(self, address: str, reason: str) -> None:
+    def __init__(self, address: str, reason: str, *, tls_refused: bool = False) -> None:
         super().__init__(f"cannot connect to {address}: {reason}")
         self.address = address
         self.reason = reason
+        self.tls_refused = tls_refused
 
 
 def error_name(code: int | None) -> str:

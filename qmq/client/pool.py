@@ -17,6 +17,7 @@ from qmq.client.routes import parse_address
 from qmq.net.aio_client import AsyncConnection
 from qmq.net.client import BlockingConnection
 from qmq.net.common import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S
+from qmq.net.opening import TLSRefused
 
 __all__ = ["AsyncConnectionPool", "ConnectFailed", "ConnectionPool"]
 
@@ -24,6 +25,8 @@ C = TypeVar("C", BlockingConnection, AsyncConnection)
 
 
 def _connect_failed(address: str, exc: OSError) -> ConnectFailed:
+    if isinstance(exc, TLSRefused):
+        return ConnectFailed(address, str(exc), tls_refused=True)
     if isinstance(exc, TimeoutError):
         return ConnectFailed(address, "timed out")
     return ConnectFailed(address, exc.strerror or str(exc) or type(exc).__name__)

@@ -253,8 +253,9 @@ def resolve_delay_servers(delay_servers: Sequence[str] | None) -> tuple[str, ...
 def meta_error(meta: str, subject: str, exc: BaseException) -> MetaUnreachable:
     if isinstance(exc, RemoteError):
         return MetaUnreachable(f"the meta server at {meta} could not give a route for {subject!r}: {exc}", exc.code)
-    reason = exc.reason if isinstance(exc, ConnectFailed) else str(exc)
-    return MetaUnreachable(f"cannot reach the meta server at {meta}: {reason}")
+    if isinstance(exc, ConnectFailed):
+        return MetaUnreachable(f"cannot reach the meta server at {meta}: {exc.reason}", tls_refused=exc.tls_refused)
+    return MetaUnreachable(f"cannot reach the meta server at {meta}: {exc}")
 
 
 def no_route_error(client_meta: str | None, subject: str) -> NoRoute:

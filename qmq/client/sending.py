@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qmq.client.errors import ClientClosed, ClientError, InvalidMessage, MetaUnreachable, error_name
+from qmq.client.errors import ClientClosed, ClientError, ConnectFailed, InvalidMessage, MetaUnreachable, error_name
 from qmq.client.messages import OutgoingMessage, SendResult, now_ms
 from qmq.client.routes import Route, RouteBook, RouteGroup, with_epoch
 from qmq.client.steps import Call, Calls, Sleep, Steps
@@ -124,6 +124,8 @@ def classify_send_error(exc: BaseException) -> tuple[bool, int, str]:
         return exc.code in RETRIABLE_SEND_CODES, exc.code, str(exc)
     if isinstance(exc, ProtocolError):  # refused by our own connection, e.g. a frame over the limit
         return False, exc.code, str(exc)
+    if isinstance(exc, ConnectFailed) and exc.tls_refused:  # like a wrong token: the same on every try
+        return False, ErrorCode.UNAVAILABLE, f"{exc} (a TLS setting to fix: --tls-ca, $QMQ_TLS_CA; not tried again)"
     if isinstance(exc, TimeoutError):
         return True, ErrorCode.TIMEOUT, str(exc) or "timed out"
     if isinstance(exc, OSError):  # ConnectionError included
@@ -406,8 +408,8 @@ def send(
                 routes_now[subject] = yield from routes.lookup(
                     subject, refresh=subject in refresh, delayed_only=delayed_only
                 )
-            except MetaUnreachable as exc:  # waited out, unless the meta server refused (a wrong token)
-                final = exc.code is not None and exc.code not in RETRIABLE_SEND_CODES
+            except MetaUnreachable as exc:  # waited out, unless refused (a wrong token, TLS)
+                final = exc.tls_refused or (exc.code is not None and exc.code not in RETRIABLE_SEND_CODES)
                 job.fail_subject(subject, exc.code or ErrorCode.UNAVAILABLE, str(exc), time.monotonic(), final=final)
             except ClientClosed as exc:
                 job.fail_subject(subject, ErrorCode.UNAVAILABLE, str(exc), final=True)

@@ -43,6 +43,11 @@ class Opener(Generic[R]):
         raise NotImplementedError
 
 
-def tls_failed(address: str, exc: ssl.SSLError) -> ConnectionError:
-    """The error of a TLS handshake that failed (a certificate not trusted, a protocol refused)."""
-    return ConnectionError(f"TLS with {address} failed: {exc.reason or exc}")
+class TLSRefused(ConnectionError):
+    """A TLS handshake failed: a certificate not trusted, a protocol refused, TLS against a plain
+    server. A setting to fix, not a moment to wait out: trying again soon gets the same answer."""
+
+
+def tls_failed(address: str, exc: ssl.SSLError) -> TLSRefused:
+    """The error of a TLS handshake that failed."""
+    return TLSRefused(f"TLS with {address} failed: {exc.reason or exc}")
