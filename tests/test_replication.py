@@ -323,6 +323,23 @@ def test_a_nack_is_answered_only_once_the_replica_holds_its_retry(processes, tmp
     assert nacked == [None], nacked  # not answered: no replica held its retry
 
 
+def test_a_nack_is_answered_while_the_group_is_read_only(processes, tmp_path, meta) -> None:
+    """With no replica in sync the group takes no sends, but its consumers go on: a nack is answered
+    with its retry held by the master alone (no replica can take over meanwhile, and the one that
+    catches up copies it), rather than refused, which would deliver the message again and again."""
+    a, b = start_group(processes, tmp_path, meta)
+    subject = "repl.nack.read_only"
+    with Client(meta=meta) as client, client.subscribe(subject, "c", start="earliest") as sub:
+        assert all(r.ok for r in client.send([OutgoingMessage(subject, "m")]))
+        (delivery,) = pull_exactly(sub, 1)
+        processes.kill(b.proc, signal.SIGKILL)
+        wait_for(lambda: (replication(a) or {}).get("writable") is False, "the master to turn read-only")
+        outcome = sub.nack(delivery, delay_s=0.1)
+        assert outcome is not None and outcome[0] == "retry", outcome
+        retried = wait_for(lambda: sub.pull(max=1, wait_s=0.5), "the retry")
+    assert [(d.id, d.attempt) for d in retried] == [(delivery.id, 2)]
+
+
 def test_a_workers_backlog_probe_asks_the_new_master_soon_after_a_failover(processes, tmp_path, meta) -> None:
     """The worker's liveness asks the brokers of its route for the backlog. After a failover it asks
     the meta server for the route again rather than the lost master's address until the route

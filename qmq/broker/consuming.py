@@ -28,7 +28,7 @@ from qmq.broker.journal import Create, Entry, GroupAction, Schedule
 from qmq.broker.ordered import not_held, ordered_queues, stored_subjects
 from qmq.broker.queue_lease import KeyStopped
 from qmq.broker.system_subjects import dead_subject, delivery, retry_subject, unwrap, user_subject, wrap
-from qmq.protocol.errors import ErrorCode, ProtocolError
+from qmq.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from qmq.protocol.fields import bad, choice_field, field, int_field
 from qmq.protocol.limits import (
     MAX_PULL_MESSAGES,
@@ -401,10 +401,22 @@ class Consuming:
             end = core.apply_and_commit(stops)
         if end:
             await core.store.durable(end)
-            # The answer promises the retry (or dead letter): the consumer counts the message done,
-            # and its acks cover it on whichever master comes next. So a replica must hold it, as a send.
-            await core.replicated(end)
+            await self._replicated(end)
         return {"outcomes": outcomes}
+
+    async def _replicated(self, end: int) -> None:
+        """A nack's answer promises its retry (or dead letter): the consumer counts the message done,
+        and its acks, sent again to whichever master comes next, cover it. So the in-sync replicas,
+        the only ones the meta server promotes, must hold it first, as for a send. While none is in
+        sync the group is read-only and no replica can take over, so the master's disk is enough:
+        refusing would deliver the message again and again until a replica caught up (which copies
+        the retry with the rest). Left open: a master fenced from the meta server answers too."""
+        try:
+            await self.core.replicated(end)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.READ_ONLY:
+                raise
+            log.info("nack answered with its retry on this master's disk alone: %s", exc)
 
     async def leave(self, body: dict[str, Any]) -> dict[str, Any]:
         """BROKER_LEAVE: a consumer that closes gives back what it holds unacknowledged at once,
