@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from qmq.client import Client, OutgoingMessage
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import ErrorCode, RemoteError
-from tests.support.broker import restart_broker, send
+from tests.support.broker import RawConsumer, restart_broker, send
 from tests.support.databases import fresh_database
 from tests.support.metrics import sample, scrape
 from tests.support.processes import free_port, wait_for_port
@@ -338,6 +338,38 @@ def test_a_nack_is_answered_while_the_group_is_read_only(processes, tmp_path, me
         assert outcome is not None and outcome[0] == "retry", outcome
         retried = wait_for(lambda: sub.pull(max=1, wait_s=0.5), "the retry")
     assert [(d.id, d.attempt) for d in retried] == [(delivery.id, 2)]
+
+
+def test_a_frozen_master_that_wakes_deposed_refuses_the_nack_it_finds(processes, tmp_path, meta) -> None:
+    """A master frozen while the meta server promoted its replica wakes fenced, not knowing yet: its
+    replica no longer follows it, so no replica is in sync, but its disk alone is not enough now (the
+    new master would never have the retry, and the consumer's acks there would cover the message)."""
+    a, b = start_group(processes, tmp_path, meta)
+    subject = "repl.nack.deposed"
+    with Client(meta=meta) as client:
+        assert all(r.ok for r in client.send([OutgoingMessage(subject, "m")]))
+    with a.connect() as conn:
+        consumer = RawConsumer(conn, subject, "c", "raw", options={"start": "earliest"})
+        (delivered,) = wait_for(lambda: consumer.pull(wait_ms=500), "the message")
+        end = replication(a)["log_end"]
+        wait_for(lambda: (replication(b) or {}).get("durable", 0) >= end, "the replica to hold the pull")
+        os.killpg(a.proc.pid, signal.SIGSTOP)
+        answers: list[object] = []
+
+        def nack() -> None:
+            try:
+                answers.append(consumer.nack(delivered, 100))
+            except RemoteError as exc:
+                answers.append(exc.code)
+
+        nacking = threading.Thread(target=nack)
+        try:
+            wait_role(b, "master", epoch=2)
+            nacking.start()  # waits in the frozen master's socket: the first thing it reads on waking
+        finally:
+            os.killpg(a.proc.pid, signal.SIGCONT)
+        nacking.join(timeout=30)
+    assert answers and answers[0] in (ErrorCode.READ_ONLY, ErrorCode.NOT_MASTER), answers
 
 
 def test_a_workers_backlog_probe_asks_the_new_master_soon_after_a_failover(processes, tmp_path, meta) -> None:

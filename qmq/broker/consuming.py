@@ -410,11 +410,12 @@ class Consuming:
         the only ones the meta server promotes, must hold it first, as for a send. While none is in
         sync the group is read-only and no replica can take over, so the master's disk is enough:
         refusing would deliver the message again and again until a replica caught up (which copies
-        the retry with the rest). Left open: a master fenced from the meta server answers too."""
+        the retry with the rest). Not so for a master out of office (fenced from the meta server,
+        which may have promoted a replica meanwhile, or handing off): READ_ONLY."""
         try:
             await self.core.replicated(end)
         except RemoteError as exc:
-            if exc.code != ErrorCode.READ_ONLY:
+            if exc.code != ErrorCode.READ_ONLY or not self.core.in_office():
                 raise
             log.info("nack answered with its retry on this master's disk alone: %s", exc)
 

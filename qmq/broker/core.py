@@ -52,6 +52,8 @@ class BrokerCore:
         self.replicated: Callable[[int], Awaitable[None]] = _nothing_to_wait_for
         # ...and below this offset every replica holds the log: snapshots keep one at or below it.
         self.replicated_upto: Callable[[], int | None] = lambda: None
+        # ...and whether it may act for its group now: master, not fenced, not handing off (Roles.in_office).
+        self.in_office: Callable[[], bool] = lambda: True
         self.retries_changed = asyncio.Event()  # a retry was scheduled: the retry loop looks again
         # subject -> waiting pulls, in the order they came (a dict as an ordered set): the first woken
         # takes first, so one consumer cannot starve another of a group by pulling more often

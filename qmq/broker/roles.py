@@ -46,11 +46,13 @@ class BrokerDuty:
         self.replica: ReplicaState | None = None
         self.copies = state_copy.Copies()  # a master's copies of its state for replicas left behind
         self.replicated_upto: Callable[[], int | None] = lambda: None  # Roles.replicated_upto, once set
+        self.in_office: Callable[[], bool] = lambda: True  # Roles.in_office, once set
 
     async def open_master(self, store: LogStore, group: str) -> BrokerService:
         service = await asyncio.to_thread(BrokerService, store, **self.service_options)
         service.core.group_name = group
         service.core.replicated_upto = self.replicated_upto
+        service.core.in_office = self.in_office
         service.start()
         return service
 
@@ -65,6 +67,9 @@ class BrokerDuty:
 
     def set_replicated_upto(self, upto: Callable[[], int | None]) -> None:
         self.replicated_upto = upto
+
+    def set_in_office(self, in_office: Callable[[], bool]) -> None:
+        self.in_office = in_office
 
     async def open_replica(self, store: LogStore) -> None:
         replica = ReplicaState(store, store.data_dir / STATE_DIR, replicated_upto=self.replicated_upto)

@@ -90,8 +90,8 @@ class Duty(Protocol):
     a server whose state is saved in snapshots that a cut may have to go back past (a broker):
     `upto()` is the offset below which no failover can cut this server's log, as far as it knows,
     or None (`Roles.replicated_upto`). And `set_in_office(in_office)`, called once, for a server that
-    acts on its own as master (a delay server fires): `in_office()` is false while it may no longer
-    (`Roles.in_office`)."""
+    acts on its own as master (a delay server fires, a broker answers a nack its replicas cannot
+    hold): `in_office()` is false while it may no longer (`Roles.in_office`)."""
 
     kind: str  # "broker", "delay server": the start of each role-change log line
     stats_code: RequestCode  # answered by a server that is not master too
