@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qmq.client import Client, OutgoingMessage
+from qmq.client import Client, ClientError, OutgoingMessage
 from qmq.net.aio_client import AsyncConnection
 from qmq.net.client import BlockingConnection
 from qmq.net.tls import ClientTLS, configure_client
@@ -207,3 +207,17 @@ def test_a_send_through_a_meta_server_refusing_its_tls_fails_at_once_naming_it(p
         finally:
             configure_client(None)
     assert not result.ok and "CERTIFICATE_VERIFY_FAILED" in (result.error or ""), result
+
+
+@pytest.mark.timeout(120)
+def test_a_subscription_to_a_broker_refusing_its_tls_fails_naming_it(processes, tmp_path, certs):
+    """A subscription whose broker's certificate the client does not trust raises the TLS error, as
+    for a wrong token, instead of pulling again for ever with a warning."""
+    broker = tls_broker(processes, tmp_path, certs)
+    configure_client(ClientTLS(certs.other_ca))
+    try:
+        with Client(brokers=[f"{HOST}:{broker.port}"]) as client, pytest.raises(ClientError) as refused:
+            client.subscribe("tls.refused", "g")
+    finally:
+        configure_client(None)
+    assert "CERTIFICATE_VERIFY_FAILED" in str(refused.value)

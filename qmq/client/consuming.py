@@ -32,7 +32,7 @@ from qmq.client.deliveries import (
     SubscriptionState,
     tracker_key,
 )
-from qmq.client.errors import ClientError
+from qmq.client.errors import ClientError, ConnectFailed
 from qmq.client.routes import Route, RouteGroup, no_route_error, with_epoch
 from qmq.client.steps import Call, Calls, GetRoute, Sleep, Start, Steps, WaitAll, WaitAny, outcome
 from qmq.protocol.codes import RequestCode
@@ -134,7 +134,10 @@ def pull_retry_delay_s(failures: int) -> float:
 
 
 def is_fatal_pull_error(exc: BaseException) -> bool:
-    """A pull error that repeating cannot fix: the subscription's own request is refused."""
+    """A pull error that repeating cannot fix: the subscription's own request is refused, or the
+    broker's TLS handshake (a setting to fix, like a wrong token)."""
+    if isinstance(exc, ConnectFailed):
+        return exc.tls_refused
     return isinstance(exc, RemoteError) and exc.code in FATAL_PULL_CODES
 
 
