@@ -10,11 +10,12 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from qmq.client import Client, ClientError, OutgoingMessage
+from qmq.client import Client, ClientError, OutgoingMessage, SendResult
 from qmq.net.aio_client import AsyncConnection
 from qmq.net.client import BlockingConnection
 from qmq.net.tls import ClientTLS, configure_client
@@ -173,23 +174,35 @@ def test_servers_and_the_cli_speak_tls_to_each_other(processes, tmp_path, certs,
         assert refused.returncode != 0 and "TLS" in refused.stderr
 
 
+def sent_once(**client_options) -> SendResult:
+    """The result of one message sent by a client whose delivery timeout would wait ten minutes."""
+    with Client(delivery_timeout_s=600, **client_options) as client:
+        (result,) = client.send([OutgoingMessage("tls.refused", "hello")])
+    return result
+
+
+@pytest.fixture
+def untrusting(certs) -> Iterator[None]:
+    """This process's clients trust another CA than the one that signed the servers' certificates."""
+    configure_client(ClientTLS(certs.other_ca))
+    try:
+        yield
+    finally:
+        configure_client(None)
+
+
 @pytest.mark.timeout(120)
-def test_a_send_through_a_refused_tls_handshake_fails_at_once_naming_it(processes, tmp_path, certs):
+def test_a_send_through_a_refused_tls_handshake_fails_at_once_naming_it(processes, tmp_path, certs, untrusting):
     """A certificate the client does not trust is a setting to fix, not a moment to wait out: the send
     fails with the TLS error at once, though its delivery timeout would let it wait ten minutes for a
     broker that is merely down (the pytest timeout, 120 s, fails a send that waits)."""
     broker = tls_broker(processes, tmp_path, certs)
-    configure_client(ClientTLS(certs.other_ca))
-    try:
-        with Client(brokers=[f"{HOST}:{broker.port}"], delivery_timeout_s=600) as client:
-            (result,) = client.send([OutgoingMessage("tls.refused", "hello")])
-    finally:
-        configure_client(None)
+    result = sent_once(brokers=[f"{HOST}:{broker.port}"])
     assert not result.ok and "CERTIFICATE_VERIFY_FAILED" in (result.error or ""), result
 
 
 @pytest.mark.timeout(120)
-def test_a_send_through_a_meta_server_refusing_its_tls_fails_at_once_naming_it(processes, pg_url, certs):
+def test_a_send_through_a_meta_server_refusing_its_tls_fails_at_once_naming_it(processes, pg_url, certs, untrusting):
     """The same when the meta server is the one whose certificate the client does not trust."""
     with fresh_database(pg_url) as db_url:
         port = free_port()
@@ -200,24 +213,15 @@ def test_a_send_through_a_meta_server_refusing_its_tls_fails_at_once_naming_it(p
             env={"PYTHONPATH": str(ROOT), "QMQ_TOKEN": ""},
         )
         wait_for_port(port, meta)
-        configure_client(ClientTLS(certs.other_ca))
-        try:
-            with Client(meta=f"{HOST}:{port}", delivery_timeout_s=600) as client:
-                (result,) = client.send([OutgoingMessage("tls.refused", "hello")])
-        finally:
-            configure_client(None)
+        result = sent_once(meta=f"{HOST}:{port}")
     assert not result.ok and "CERTIFICATE_VERIFY_FAILED" in (result.error or ""), result
 
 
 @pytest.mark.timeout(120)
-def test_a_subscription_to_a_broker_refusing_its_tls_fails_naming_it(processes, tmp_path, certs):
+def test_a_subscription_to_a_broker_refusing_its_tls_fails_naming_it(processes, tmp_path, certs, untrusting):
     """A subscription whose broker's certificate the client does not trust raises the TLS error, as
     for a wrong token, instead of pulling again for ever with a warning."""
     broker = tls_broker(processes, tmp_path, certs)
-    configure_client(ClientTLS(certs.other_ca))
-    try:
-        with Client(brokers=[f"{HOST}:{broker.port}"]) as client, pytest.raises(ClientError) as refused:
-            client.subscribe("tls.refused", "g")
-    finally:
-        configure_client(None)
+    with Client(brokers=[f"{HOST}:{broker.port}"]) as client, pytest.raises(ClientError) as refused:
+        client.subscribe("tls.refused", "g")
     assert "CERTIFICATE_VERIFY_FAILED" in str(refused.value)
